@@ -1,0 +1,93 @@
+r"""Default run: a ~4.3M-parameter byte-level LM on the embedded corpus.
+
+Run it (what `make train` does):
+
+  python -m trainer.train --config configs/default.py --workdir runs/default
+
+Trains on 8 simulated CPU devices with mesh data=2 x tensor=4, in fp32, on the
+Python standard library source (see trainer/data.py). Expect the last eval
+record in runs/default/metrics.jsonl to reach eval_bpb <= 3.0 in under 10
+minutes on a 2-core machine (install excluded).
+
+Every field is documented here; configs/README.md lists them all with their
+owners. Override any field with --config.a.b=value.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0                  # seeds parameter init and the data order
+  c.steps = 300               # run length, and the length of the LR schedule
+  c.stop_after = config_dict.placeholder(int)  # end after this step (as a preemption would)
+  c.batch_size = 16           # global batch, in sequences
+  c.seq_len = 256             # tokens per sequence (packed)
+  c.log_every = 10            # steps between metric records
+  c.eval_every = 100          # steps between evals (and an eval at the end)
+  c.eval_steps = 8            # eval on this many fixed held-out batches
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 264        # 256 bytes + specials, padded to a multiple of 8
+  c.model.d_model = 256           # embed
+  c.model.num_layers = 4          # Transformer blocks
+  c.model.num_heads = 8           # query heads
+  c.model.num_kv_heads = 4        # key/value heads (grouped-query when < num_heads)
+  c.model.head_dim = 32           # per head
+  c.model.mlp_dim = 1024          # SwiGLU hidden width
+  c.model.max_seq_len = 1024      # longest sequence the model accepts
+  c.model.rope_theta = 10_000.0   # rotary embedding base
+  c.model.norm_eps = 1e-6         # RMSNorm epsilon
+  c.model.tie_embeddings = False  # share the input embedding with the output layer
+  c.model.dtype = 'float32'       # compute dtype (bfloat16 on accelerators)
+  c.model.param_dtype = 'float32' # parameter (master weight) dtype
+  c.model.scan_layers = False     # jax.lax.scan over layers (compile time of deep models)
+  c.model.remat = 'none'          # activation recomputation: none | full | dots
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.learning_rate = 3e-3    # peak learning rate
+  c.optimizer.warmup_steps = 50       # linear warmup from 0
+  c.optimizer.end_lr_fraction = 0.1   # cosine decays to this fraction of the peak
+  c.optimizer.b1 = 0.9                # AdamW beta1
+  c.optimizer.b2 = 0.95               # AdamW beta2
+  c.optimizer.eps = 1e-8              # AdamW epsilon
+  c.optimizer.weight_decay = 0.1      # decoupled, on matrices only
+  c.optimizer.grad_clip = 1.0         # global-norm clip (0 disables)
+  c.optimizer.grad_accum_steps = 1    # microbatches per step
+  c.optimizer.z_loss = 1e-4           # weight of log(Z)^2 (0 disables)
+
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ''            # '' embedded corpus | 'synthetic' | text file or glob | .npy/.bin tokens
+  c.data.bin_dtype = 'uint16' # dtype of raw .bin token files: uint16 | uint32
+  c.data.eval_fraction = 0.1  # held-out tail of the token stream
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 2             # data parallel (in-slice); one size may be -1
+  c.mesh.fsdp = 1             # fully sharded data parallel
+  c.mesh.tensor = 4           # tensor (model) parallel
+  c.mesh.expert = 1           # expert parallel
+  c.mesh.dcn_data = 1         # across slices (multi-slice); explicit sizes
+  c.mesh.dcn_fsdp = 1
+  c.mesh.dcn_tensor = 1
+  c.mesh.dcn_expert = 1
+  # Ordered logical-axis rules: [logical name, mesh axis | [mesh axes] | None].
+  c.mesh.logical_axis_rules = [
+      ['batch', ['data', 'fsdp']],
+      ['vocab', 'tensor'],
+      ['embed', 'fsdp'],
+      ['mlp', 'tensor'],
+      ['heads', 'tensor'],
+      ['kv_heads', 'tensor'],
+      ['exp', 'expert'],
+  ]
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 0      # steps between checkpoints (0: none yet)
+  c.checkpoint.keep = 3       # most recent checkpoints kept
+
+  c.hardware = ml_collections.ConfigDict()
+  c.hardware.name = 'cpu'         # profile: cpu | tpu_v4 | tpu_v5p | h100 | h200
+  c.hardware.peak_flops = 0.0     # per-device peak override (0: from the profile)
+  c.hardware.cpu_devices = 8      # simulated CPU devices, unless RINGTRAIN_CPU_DEVICES is set
+  return c

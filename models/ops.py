@@ -1,0 +1,42 @@
+"""The seam between model code and the parallelism layer.
+
+Model code names logical axes only (``('batch', 'length', 'embed')``). Every
+place where an activation's layout matters, or where a dense layer multiplies
+by a weight, goes through an :class:`Ops` object. The default one here is
+layout-agnostic; ``parallelism`` supplies one that turns logical names into
+mesh shardings (and, later, replaces einsums by decomposed collective einsums).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Axes = tuple[str | None, ...]
+
+
+class Ops:
+  """Layout-agnostic operations: constraints are no-ops, einsums are plain."""
+
+  def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
+    """Declares that ``x`` is laid out along logical ``axes``."""
+    del axes
+    return x
+
+  def einsum(self, equation: str, x: jax.Array, w: jax.Array, *,
+             x_axes: Axes, w_axes: Axes, out_axes: Axes,
+             name: str) -> jax.Array:
+    """A dense layer's einsum ``x . w``; accumulates in at least fp32.
+
+    Args:
+      equation: einsum equation with shape letters, e.g. ``"btd,df->btf"``.
+      x: activation.
+      w: weight, already cast to the compute dtype.
+      x_axes: logical axes of ``x``.
+      w_axes: logical axes of ``w``.
+      out_axes: logical axes of the result.
+      name: the layer's path, used in reports.
+    """
+    del x_axes, w_axes, name
+    out = jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
+    return self.constrain(out.astype(x.dtype), out_axes)

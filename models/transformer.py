@@ -1,0 +1,254 @@
+"""Decoder-only Transformer language model in Flax NNX.
+
+Token embedding, RMSNorm, rotary position embedding, grouped-query attention,
+SwiGLU MLP, optional tied embeddings, causal masking that also stops attention
+across packed document boundaries, optional scan over layers and remat.
+
+Every weight names its logical axes (``embed``, ``mlp``, ``heads``,
+``kv_heads``, ``head_dim``, ``vocab``, ``layers``); activations are declared
+through :class:`models.ops.Ops`. Nothing here knows about meshes.
+Shape letters: b batch, t/s query/key position, d embed, f mlp, n heads,
+k kv_heads, g query heads per kv head, h head_dim, v vocab, l layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.ops import Ops
+
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Model hyperparameters (the ``model.*`` config group)."""
+  vocab_size: int = 264
+  d_model: int = 256
+  num_layers: int = 4
+  num_heads: int = 8
+  num_kv_heads: int = 8
+  head_dim: int = 32
+  mlp_dim: int = 1024
+  max_seq_len: int = 1024
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  dtype: str = 'float32'  # compute dtype
+  param_dtype: str = 'float32'
+  scan_layers: bool = False
+  remat: str = 'none'  # one of REMAT_POLICIES
+
+  @classmethod
+  def from_config(cls, cfg: Any) -> 'TransformerConfig':
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(cfg).items() if k in fields})
+
+  def validate(self) -> None:
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'model.num_heads={self.num_heads} is not a multiple of '
+                       f'model.num_kv_heads={self.num_kv_heads}')
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'model.remat={self.remat!r} is not one of '
+                       f'{sorted(REMAT_POLICIES)}')
+    for name in ('dtype', 'param_dtype'):
+      if getattr(self, name) not in ('float32', 'bfloat16', 'float16'):
+        raise ValueError(f'model.{name}={getattr(self, name)!r} is not one of '
+                         'float32, bfloat16, float16')
+
+
+def _param(rngs: nnx.Rngs, shape, axes, cfg: TransformerConfig, fan_in: int,
+           scale: float = 1.0) -> nnx.Param:
+  init = jax.nn.initializers.normal(stddev=scale * fan_in ** -0.5)
+  value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, cfg: TransformerConfig):
+    self.eps = cfg.norm_eps
+    self.scale = nnx.Param(jnp.ones((cfg.d_model,), cfg.param_dtype),
+                           out_sharding=('norm',), eager_sharding=False)
+
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    x = x_btd.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...].astype(jnp.float32)).astype(x_btd.dtype)
+
+
+def rotary(x_btnh: jax.Array, positions_bt: jax.Array, theta: float):
+  """Rotates channel pairs (i, i + h/2) by position-dependent angles."""
+  half = x_btnh.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle_bth = positions_bt[..., None].astype(jnp.float32) * freq
+  sin, cos = jnp.sin(angle_bth)[:, :, None], jnp.cos(angle_bth)[:, :, None]
+  x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_btnh.dtype)
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with grouped-query option (num_kv_heads)."""
+
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs):
+    self.cfg, self.ops = cfg, ops
+    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_dnh = _param(rngs, (d, n, h), ('embed', 'heads', 'head_dim'), cfg, d)
+    self.k_dkh = _param(rngs, (d, k, h), ('embed', 'kv_heads', 'head_dim'), cfg, d)
+    self.v_dkh = _param(rngs, (d, k, h), ('embed', 'kv_heads', 'head_dim'), cfg, d)
+    self.o_nhd = _param(rngs, (n, h, d), ('heads', 'head_dim', 'embed'), cfg,
+                        n * h, scale=(2 * cfg.num_layers) ** -0.5)
+
+  def __call__(self, x_btd, positions_bt, segments_bt):
+    cfg, ops, dt = self.cfg, self.ops, jnp.dtype(self.cfg.dtype)
+    act = ('batch', 'length', 'embed')
+    proj = lambda eq, w, w_axes, out_axes, name: ops.einsum(
+        eq, x_btd, w[...].astype(dt), x_axes=act, w_axes=w_axes,
+        out_axes=out_axes, name=name)
+    q_btnh = proj('btd,dnh->btnh', self.q_dnh, ('embed', 'heads', 'head_dim'),
+                  ('batch', 'length', 'heads', 'head_dim'), 'attn.q')
+    k_btkh = proj('btd,dkh->btkh', self.k_dkh, ('embed', 'kv_heads', 'head_dim'),
+                  ('batch', 'length', 'kv_heads', 'head_dim'), 'attn.k')
+    v_btkh = proj('btd,dkh->btkh', self.v_dkh, ('embed', 'kv_heads', 'head_dim'),
+                  ('batch', 'length', 'kv_heads', 'head_dim'), 'attn.v')
+    q_btnh = rotary(q_btnh, positions_bt, cfg.rope_theta)
+    k_btkh = rotary(k_btkh, positions_bt, cfg.rope_theta)
+    out_btnh = attend(q_btnh, k_btkh, v_btkh, segments_bt)
+    out_btnh = ops.constrain(out_btnh, ('batch', 'length', 'heads', 'head_dim'))
+    return ops.einsum('btnh,nhd->btd', out_btnh, self.o_nhd[...].astype(dt),
+                      x_axes=('batch', 'length', 'heads', 'head_dim'),
+                      w_axes=('heads', 'head_dim', 'embed'), out_axes=act,
+                      name='attn.o')
+
+
+def attend(q_btnh, k_bskh, v_bskh, segments_bt):
+  """Causal softmax attention that never crosses a packed-document boundary."""
+  b, t, n, h = q_btnh.shape
+  k = k_bskh.shape[2]
+  q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+  logits = jnp.einsum('btkgh,bskh->bkgts', q_btkgh, k_bskh,
+                      preferred_element_type=jnp.float32) * h ** -0.5
+  causal_ts = jnp.tril(jnp.ones((t, t), bool))
+  same_doc_bts = segments_bt[:, :, None] == segments_bt[:, None, :]
+  mask = (causal_ts[None] & same_doc_bts)[:, None, None]
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
+  out = jnp.einsum('bkgts,bskh->btkgh', probs, v_bskh,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+class Mlp(nnx.Module):
+  """SwiGLU feed-forward: (silu(x W_gate) * x W_up) W_down."""
+
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs):
+    self.cfg, self.ops = cfg, ops
+    d, f = cfg.d_model, cfg.mlp_dim
+    self.gate_df = _param(rngs, (d, f), ('embed', 'mlp'), cfg, d)
+    self.up_df = _param(rngs, (d, f), ('embed', 'mlp'), cfg, d)
+    self.down_fd = _param(rngs, (f, d), ('mlp', 'embed'), cfg, f,
+                          scale=(2 * cfg.num_layers) ** -0.5)
+
+  def __call__(self, x_btd):
+    ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
+    act, hid = ('batch', 'length', 'embed'), ('batch', 'length', 'mlp')
+    up = lambda w, name: ops.einsum('btd,df->btf', x_btd, w[...].astype(dt),
+                                    x_axes=act, w_axes=('embed', 'mlp'),
+                                    out_axes=hid, name=name)
+    h_btf = jax.nn.silu(up(self.gate_df, 'mlp.gate')) * up(self.up_df, 'mlp.up')
+    return ops.einsum('btf,fd->btd', h_btf, self.down_fd[...].astype(dt),
+                      x_axes=hid, w_axes=('mlp', 'embed'), out_axes=act,
+                      name='mlp.down')
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs):
+    self.ops = ops
+    self.attn_norm = RMSNorm(cfg)
+    self.attn = Attention(cfg, ops, rngs)
+    self.mlp_norm = RMSNorm(cfg)
+    self.mlp = Mlp(cfg, ops, rngs)
+
+  def __call__(self, x_btd, positions_bt, segments_bt):
+    x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segments_bt)
+    x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
+    return self.ops.constrain(x_btd, ('batch', 'length', 'embed'))
+
+
+class Transformer(nnx.Module):
+  """The language model: tokens [b, t] -> logits [b, t, vocab] (fp32)."""
+
+  def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, ops: Ops | None = None):
+    cfg.validate()
+    self.cfg = cfg
+    self.ops = ops = ops or Ops()
+    self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model),
+                           ('vocab', 'embed'), cfg, 1)
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=0, out_axes=0,
+                transform_metadata={nnx.PARTITION_NAME: 'layers'})
+      def make_blocks(rngs):
+        return Block(cfg, ops, rngs)
+      self.blocks = make_blocks(rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, ops, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg)
+    if not cfg.tie_embeddings:
+      self.unembed_dv = _param(rngs, (cfg.d_model, cfg.vocab_size),
+                               ('embed', 'vocab'), cfg, cfg.d_model)
+
+  def __call__(self, tokens_bt, positions_bt=None, segments_bt=None):
+    cfg, ops, dt = self.cfg, self.ops, jnp.dtype(self.cfg.dtype)
+    if positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    if segments_bt is None:
+      segments_bt = jnp.zeros_like(tokens_bt)
+    x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
+    x_btd = ops.constrain(x_btd, ('batch', 'length', 'embed'))
+    x_btd = self._run_blocks(x_btd, positions_bt, segments_bt)
+    x_btd = self.final_norm(x_btd)
+    if cfg.tie_embeddings:
+      w_dv, eq, w_axes = self.embed_vd[...], 'btd,vd->btv', ('vocab', 'embed')
+    else:
+      w_dv, eq, w_axes = self.unembed_dv[...], 'btd,dv->btv', ('embed', 'vocab')
+    logits = ops.einsum(eq, x_btd, w_dv.astype(dt),
+                        x_axes=('batch', 'length', 'embed'), w_axes=w_axes,
+                        out_axes=('batch', 'length', 'vocab'), name='unembed')
+    return logits.astype(jnp.float32)
+
+  def _run_blocks(self, x_btd, positions_bt, segments_bt):
+    """Applies the blocks, as a Python loop or a scan, with optional remat."""
+    policy = REMAT_POLICIES[self.cfg.remat]
+
+    def apply(graphdef, state, x):
+      return nnx.merge(graphdef, state)(x, positions_bt, segments_bt)
+
+    if self.cfg.remat != 'none':
+      apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))
+    if self.cfg.scan_layers:
+      graphdef, state = nnx.split(self.blocks)
+      x_btd, _ = jax.lax.scan(lambda x, s: (apply(graphdef, s, x), None),
+                              x_btd, state)
+      return x_btd
+    for block in self.blocks:
+      graphdef, state = nnx.split(block)
+      x_btd = apply(graphdef, state, x_btd)
+    return x_btd
+
+
+def count_params(state) -> int:
+  """Number of parameters in a (possibly abstract) state tree."""
+  return sum(int(x.size) for x in jax.tree.leaves(state))

@@ -1,0 +1,63 @@
+"""Hardware profiles: the numbers MFU and (later) the collective cost model use.
+
+Peak FLOP/s are per device, for the dense matmul dtype a run would use there
+(bf16 on accelerators), from the vendors' data sheets. The CPU has no fixed
+peak: it is measured at start as the best fp32 matmul rate of the whole host
+(all fake devices share its cores), divided by the number of simulated devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  name: str
+  peak_flops: float  # per device, FLOP/s; 0 means "measure at start" (CPU)
+  source: str
+
+
+PROFILES = {
+    'cpu': HardwareProfile('cpu', 0.0, 'fp32 matmul measured at start / simulated devices'),
+    'tpu_v4': HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip'),
+    'tpu_v5p': HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip'),
+    'h100': HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16'),
+    'h200': HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16'),
+}
+
+
+def get_profile(name: str) -> HardwareProfile:
+  if name not in PROFILES:
+    raise ValueError(f'hardware.name={name!r} is not one of {sorted(PROFILES)}')
+  return PROFILES[name]
+
+
+def measure_host_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+  """Best fp32 FLOP/s of an n x n matmul on one CPU device (uses all cores)."""
+  device = jax.devices('cpu')[0]
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(a).block_until_ready()
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * n ** 3 / best
+
+
+def peak_flops_per_device(name: str, override: float, num_devices: int) -> tuple[float, str]:
+  """Returns (peak FLOP/s per device, where it came from)."""
+  if override > 0:
+    return override, 'hardware.peak_flops override'
+  profile = get_profile(name)
+  if profile.peak_flops:
+    return profile.peak_flops, profile.source
+  host = measure_host_matmul_flops()
+  return host / num_devices, (f'{profile.source} ({host / 1e9:.1f} GFLOP/s host '
+                              f'/ {num_devices} devices)')

@@ -1,0 +1,123 @@
+"""Logical axis names -> mesh shardings.
+
+The config holds an ordered table of rules ``[[logical, mesh_axes], ...]``
+(``mesh_axes``: a mesh axis name, a list of them, or None). For each dimension
+of an array, the first rule for its logical name whose mesh axes are not
+already used by another dimension of the same array wins (MaxText semantics);
+names without a rule are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models.ops import Axes, Ops
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def normalize_rules(table: Iterable[Sequence[Any]]) -> Rules:
+  """Turns the config's rule table into a hashable tuple of tuples."""
+  rules = []
+  for row in table:
+    if len(row) != 2:
+      raise ValueError(f'logical axis rule {row!r} is not a [logical, mesh_axes] pair')
+    logical, axes = row
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    rules.append((str(logical), axes))
+  return tuple(rules)
+
+
+def logical_to_spec(axes: Axes, rules: Rules) -> PartitionSpec:
+  """Maps logical axis names to a PartitionSpec by first-fit over ``rules``."""
+  used: set[str] = set()
+  spec = []
+  for name in axes:
+    choice = None
+    for logical, mesh_axes in rules:
+      if logical == name and not used.intersection(mesh_axes):
+        choice = mesh_axes
+        break
+    if choice:
+      used.update(choice)
+      spec.append(choice[0] if len(choice) == 1 else choice)
+    else:
+      spec.append(None)
+  return PartitionSpec(*spec)
+
+
+def _var_axes(var: nnx.Variable, ndim: int) -> Axes:
+  axes = var.get_metadata().get('out_sharding') or (None,) * ndim
+  return tuple(axes)
+
+
+def state_specs(tree: Any, rules: Rules) -> Any:
+  """PartitionSpec for every leaf of an (abstract) tree holding NNX Variables.
+
+  Variables are mapped through their logical axes; other leaves (step
+  counters, optimizer counts) are replicated. Optimizer states built by optax
+  from an NNX state hold Variables too, so they inherit their parameters'
+  layout.
+  """
+  def spec(x):
+    if isinstance(x, nnx.Variable):
+      return x.replace(logical_to_spec(_var_axes(x, x.ndim), rules))
+    return PartitionSpec()
+  return jax.tree.map(spec, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_divisible(abstract_state: Any, specs: Any, mesh: jax.sharding.Mesh) -> None:
+  """Raises ValueError naming every parameter whose dims the mesh cannot split."""
+  bad = []
+  leaves = jax.tree_util.tree_leaves_with_path(abstract_state)
+  for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=_is_spec)):
+    for dim, axes in zip(leaf.shape, spec):
+      size = mesh_axis_size(mesh, axes)
+      if dim % size:
+        bad.append(f'{jax.tree_util.keystr(path)} dim {dim} over {axes} ({size})')
+  if bad:
+    raise ValueError('parameter dims not divisible by their mesh axes: ' + '; '.join(bad))
+
+
+def mesh_axis_size(mesh: jax.sharding.Mesh, axes: Any) -> int:
+  if axes is None:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  size = 1
+  for a in axes:
+    size *= mesh.shape[a]
+  return size
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
+  """PartitionSpec tree -> NamedSharding tree."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+class ShardedOps(Ops):
+  """Ops that turn logical activation axes into sharding constraints."""
+
+  def __init__(self, mesh: jax.sharding.Mesh, rules: Rules):
+    self.mesh, self.rules = mesh, rules
+
+  def spec(self, axes: Axes) -> PartitionSpec:
+    return logical_to_spec(axes, self.rules)
+
+  def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
+    sharding = NamedSharding(self.mesh, self.spec(axes))
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  def __hash__(self):
+    return hash((self.mesh, self.rules))
+
+  def __eq__(self, other):
+    return (type(other) is type(self) and self.mesh == other.mesh
+            and self.rules == other.rules)

@@ -1,0 +1,84 @@
+"""The training command: bad input exits 2 with one line; a short run's outputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from trainer import train
+
+# A tiny model that trains in seconds; the 3-step run below uses it.
+TINY = ['--config.model.d_model=32', '--config.model.num_layers=1',
+        '--config.model.num_heads=4', '--config.model.num_kv_heads=4',
+        '--config.model.head_dim=8', '--config.model.mlp_dim=64',
+        '--config.batch_size=8', '--config.seq_len=32', '--config.eval_steps=2']
+DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (['--config.model.nope=1'], 'unknown config key: config.model.nope'),
+    (['--config.nope.x=1'], 'unknown config key: config.nope'),
+    (['--config.steps=ten'], "config.steps='ten' is not a valid int"),
+    (['--config.model.scan_layers=maybe'], 'is not a valid bool'),
+    (['--config.data.path=/no/such/file.txt'], "data.path='/no/such/file.txt' matches no file"),
+    (['--config.data.path=/no/such/tokens.npy'], 'does not exist'),
+    (['--config.batch_size=7'], 'batch_size=7 is not divisible by data*fsdp=2'),
+    (['--config.mesh.data=3'], 'mesh size product 12'),
+    (['--config.mesh.data=-1', '--config.mesh.tensor=-1'], 'at most one mesh size may be -1'),
+    (['--config.seq_len=2048'], 'seq_len=2048 exceeds model.max_seq_len=1024'),
+    (['--config.hardware.name=tpu_v9'], "hardware.name='tpu_v9'"),
+    (['--config.model.num_kv_heads=3'], 'num_kv_heads=3'),
+    (['--config.steps=0'], 'steps=0 must be at least 1'),
+    (['--bogus'], 'unrecognized argument: --bogus'),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, overrides, message):
+  workdir = tmp_path / 'run'
+  code = train.main(['--config', DEFAULT, '--workdir', str(workdir), '--config.steps=1']
+                    + overrides)
+  err = capsys.readouterr().err.strip()
+  assert code == 2
+  assert len(err.splitlines()) == 1 and message in err, err
+  assert not workdir.exists()
+
+
+def test_empty_corpus(tmp_path, capsys):
+  (tmp_path / 'empty.txt').write_bytes(b'')
+  code = train.main(['--config', DEFAULT, '--workdir', str(tmp_path / 'run'),
+                     f'--config.data.path={tmp_path / "empty.txt"}'])
+  assert code == 2 and 'corpus is empty' in capsys.readouterr().err
+
+
+def test_missing_config_file(capsys):
+  assert train.main(['--config', '/no/such/config.py']) == 2
+  assert 'config file not found: /no/such/config.py' in capsys.readouterr().err
+
+
+def test_three_step_run_through_the_cli(tmp_path):
+  workdir = tmp_path / 'run'
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  cmd = [sys.executable, '-m', 'trainer.train', '--config', DEFAULT, '--workdir', str(workdir),
+         '--config.steps=3', '--config.log_every=1', '--config.eval_every=2'] + TINY
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  train_records = [r for r in records if 'loss' in r]
+  eval_records = [r for r in records if 'eval_loss' in r]
+  assert [r['step'] for r in train_records] == [1, 2, 3]
+  for r in train_records:
+    assert r['loss'] > 0 and r['tokens_per_sec'] > 0 and 0 < r['mfu'] < 1
+    assert {'learning_rate', 'grad_norm', 'step_time', 'tflops_per_device'} <= set(r)
+  assert [r['step'] for r in eval_records] == [2, 3]
+  assert all(0 < r['eval_bpb'] < 10 for r in eval_records)
+  config = json.loads((workdir / 'config.json').read_text())
+  assert config['steps'] == 3 and config['model']['d_model'] == 32
+  assert any(name.startswith('events.') for name in os.listdir(workdir / 'tb'))
+
+
+def test_bad_input_exit_status_from_the_shell(tmp_path):
+  proc = subprocess.run([sys.executable, '-m', 'trainer.train', '--config', DEFAULT,
+                         '--config.steps=x'], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+  assert proc.returncode == 2 and proc.stderr.strip().startswith('error: config.steps=')

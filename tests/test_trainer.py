@@ -1,0 +1,51 @@
+"""Optimizer schedule, gradient accumulation and the FLOP formula."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from models.transformer import Transformer, TransformerConfig
+from trainer import metrics, optim
+from trainer.step import TrainState, make_train_step
+
+OPT = dict(learning_rate=1e-2, warmup_steps=10, end_lr_fraction=0.1, b1=0.9, b2=0.95,
+           eps=1e-8, weight_decay=0.1, grad_clip=1.0, grad_accum_steps=1, z_loss=0.0)
+
+
+def test_warmup_then_cosine():
+  schedule = optim.learning_rate_schedule(ml_collections.ConfigDict(OPT), 110)
+  assert float(schedule(0)) == 0.0
+  np.testing.assert_allclose(schedule(5), 5e-3, rtol=1e-6)
+  np.testing.assert_allclose(schedule(10), 1e-2, rtol=1e-6)
+  np.testing.assert_allclose(schedule(60), 1e-3 + 0.5 * 9e-3, rtol=1e-5)
+  np.testing.assert_allclose(schedule(110), 1e-3, rtol=1e-5)
+
+
+def test_gradient_accumulation_matches_full_batch():
+  cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                          num_kv_heads=4, head_dim=8, mlp_dim=64)
+  graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)))
+  tx = optax.sgd(1.0)
+  tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, 64)
+  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+           'positions': jnp.broadcast_to(jnp.arange(16), (4, 16)),
+           'segments': jnp.zeros((4, 16), jnp.int32)}
+  state = TrainState(jnp.int32(0), params, tx.init(params))
+  full, m_full = jax.jit(make_train_step(graphdef, tx, 0.0, 1))(state, batch)
+  accum, m_accum = jax.jit(make_train_step(graphdef, tx, 0.0, 2))(state, batch)
+  np.testing.assert_allclose(m_full['loss'], m_accum['loss'], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(accum.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert int(full.step) == 1
+
+
+def test_flops_per_token_formula():
+  cfg = TransformerConfig(vocab_size=10, d_model=4, num_layers=2, num_heads=2,
+                          num_kv_heads=1, head_dim=3, mlp_dim=5)
+  # per layer: q,o 4*2*3 each; k,v 4*1*3 each; mlp 3*4*5; output layer 4*10.
+  n = 2 * (24 + 24 + 12 + 12 + 60) + 40
+  assert metrics.matmul_params(cfg) == n
+  assert metrics.flops_per_token(cfg, seq_len=7) == 6 * n + 6 * 2 * 7 * 2 * 3

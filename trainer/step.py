@@ -1,0 +1,87 @@
+"""The train and eval steps: pure functions of (state, batch)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class TrainState(NamedTuple):
+  step: jax.Array
+  params: Any      # nnx.State of the model's parameters
+  opt_state: Any   # optax state
+
+
+def cross_entropy(logits_btv, targets_bt, z_loss: float):
+  """Mean token cross-entropy (nats) plus ``z_loss * log(Z)^2``; returns (total, ce)."""
+  log_z_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+  target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], -1)[..., 0]
+  nll_bt = log_z_bt - target_logit_bt
+  ce = jnp.mean(nll_bt)
+  return ce + z_loss * jnp.mean(log_z_bt ** 2), (ce, nll_bt)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    z_loss: float, accum_steps: int):
+  """Builds ``train_step(state, batch) -> (state, metrics)``.
+
+  With ``accum_steps > 1`` the batch is split into that many microbatches whose
+  gradients are averaged before one optimizer update.
+  """
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch['inputs'], batch['positions'], batch['segments'])
+    total, (ce, _) = cross_entropy(logits, batch['targets'], z_loss)
+    return total, ce
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def accumulate(params, batch):
+    micro = jax.tree.map(
+        lambda x: x.reshape((accum_steps, -1) + x.shape[1:]), batch)
+
+    def body(carry, mb):
+      (_, ce), grads = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, (ce, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (ce, grads), _ = jax.lax.scan(body, zeros, micro)
+    return ce / accum_steps, jax.tree.map(lambda g: g / accum_steps, grads)
+
+  def train_step(state: TrainState, batch):
+    if accum_steps == 1:
+      (_, ce), grads = grad_fn(state.params, batch)
+    else:
+      ce, grads = accumulate(state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {'loss': ce, 'grad_norm': optax.tree.norm(grads)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, byte_vocab: int | None):
+  """Builds ``eval_step(params, batch) -> sums`` of nats and counts.
+
+  Bits per byte counts only targets that are bytes (ids below ``byte_vocab``);
+  end-of-document tokens are in the loss but carry no bytes.
+  """
+
+  def eval_step(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch['inputs'], batch['positions'], batch['segments'])
+    _, (_, nll_bt) = cross_entropy(logits, batch['targets'], 0.0)
+    out = {'nats': jnp.sum(nll_bt), 'tokens': jnp.float32(nll_bt.size)}
+    if byte_vocab is not None:
+      is_byte = batch['targets'] < byte_vocab
+      out['byte_nats'] = jnp.sum(jnp.where(is_byte, nll_bt, 0.0))
+      out['bytes'] = jnp.sum(is_byte.astype(jnp.float32))
+    return out
+
+  return eval_step
