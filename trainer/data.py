@@ -186,13 +186,21 @@ def held_out_bytes(corpus: Corpus) -> bytes:
   return bytes(np.where(ev == EOS_ID, ord('\n'), ev).astype(np.uint8))
 
 
+def main() -> None:
+  """``python -m trainer.data``: the embedded corpus and its gzip -9 baseline."""
+  from trainer import config as config_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(os.path.join(os.path.dirname(__file__), '..', 'configs', 'default.py'))
+  corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.seed)
+  text = held_out_bytes(corpus)
+  n_eval = cfg.eval_steps * cfg.batch_size * cfg.seq_len
+  subset = held_out_bytes(dataclasses.replace(corpus, eval=corpus.eval[:n_eval]))
+  print(corpus.description)
+  print(f'train tokens {len(corpus.train):,}  held-out tokens {len(corpus.eval):,}')
+  print(f'gzip -9, whole held-out text ({math.ceil(len(text) / 1024)} KiB): '
+        f'{gzip_bits_per_byte(text):.3f} bits per byte')
+  print(f'gzip -9, the {n_eval:,} held-out tokens the default eval scores: '
+        f'{gzip_bits_per_byte(subset):.3f} bits per byte')
+
+
 if __name__ == '__main__':
-  # python -m trainer.data: describes the embedded corpus and its gzip baseline.
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  cfg = ml_collections.ConfigDict({'path': '', 'bin_dtype': 'uint16', 'eval_fraction': 0.1})
-  c = load_corpus(cfg, 264, 0)
-  text = held_out_bytes(c)
-  print(c.description)
-  print(f'train tokens {len(c.train):,}  held-out tokens {len(c.eval):,}')
-  print(f'gzip -9 on the held-out text: {gzip_bits_per_byte(text):.3f} bits per byte '
-        f'({math.ceil(len(text) / 1024)} KiB)')
+  main()
