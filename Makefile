@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED := 1
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,tpu]'
 	touch $(STAMP)
 
 install: $(STAMP)

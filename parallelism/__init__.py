@@ -1,0 +1,3 @@
+"""Where computations run: meshes, shardings, and decomposed collective einsums."""
+
+from parallelism.collective_einsum import collective_einsum, explain  # noqa: F401

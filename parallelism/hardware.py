@@ -17,17 +17,31 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
+  """Per-device numbers; link numbers feed the collective-einsum cost model."""
   name: str
-  peak_flops: float  # per device, FLOP/s; 0 means "measure at start" (CPU)
+  peak_flops: float       # FLOP/s; 0 means "measure at start" (CPU)
   source: str
+  link_bandwidth: float   # bytes/s one link carries in one direction
+  ring_links: int         # links a ring on one mesh axis uses per direction
+  step_latency: float     # seconds of fixed cost per ring step (launch, sync)
+  async_collectives: bool  # can a transfer overlap compute at all?
 
 
+# Link numbers are public figures (TPU v4/v5p ICI: 45/90 GB/s per link and
+# direction, a ring on a torus axis using one link per direction; NVLink 4:
+# 450 GB/s per direction per GPU). The CPU "links" are memory copies between
+# fake devices: synchronous, so nothing overlaps and decomposition never pays.
 PROFILES = {
-    'cpu': HardwareProfile('cpu', 0.0, 'fp32 matmul measured at start / simulated devices'),
-    'tpu_v4': HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip'),
-    'tpu_v5p': HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip'),
-    'h100': HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16'),
-    'h200': HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16'),
+    'cpu': HardwareProfile('cpu', 0.0, 'fp32 matmul measured at start / simulated devices',
+                           10e9, 1, 20e-6, False),
+    'tpu_v4': HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip',
+                              45e9, 1, 2e-6, True),
+    'tpu_v5p': HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip',
+                               90e9, 1, 2e-6, True),
+    'h100': HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16',
+                            450e9, 1, 5e-6, True),
+    'h200': HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16',
+                            450e9, 1, 5e-6, True),
 }
 
 
@@ -37,7 +51,7 @@ def get_profile(name: str) -> HardwareProfile:
   return PROFILES[name]
 
 
-def measure_host_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+def measure_host_matmul_flops(n: int = 1024, repeats: int = 10) -> float:
   """Best fp32 FLOP/s of an n x n matmul on one CPU device (uses all cores)."""
   device = jax.devices('cpu')[0]
   a = jax.device_put(jnp.ones((n, n), jnp.float32), device)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.transformer import Transformer, TransformerConfig, count_params
 from parallelism import mesh as mesh_lib, sharding
@@ -89,7 +89,7 @@ def test_sharded_forward_equals_unsharded(devices):
   graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0), sharding.ShardedOps(mesh, rules)))
   specs = sharding.state_specs(params, rules)
   params = jax.device_put(params, sharding.named(mesh, specs))
-  assert params['blocks'][0]['mlp']['gate_df'][...].sharding.spec == ('fsdp', 'tensor')
+  assert params['blocks'][0]['mlp']['gate_df'][...].sharding.spec == P('fsdp', 'tensor')
   tokens = jax.device_put(_tokens(b=4), NamedSharding(mesh, sharding.logical_to_spec(
       ('batch', 'length'), rules)))
   forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))

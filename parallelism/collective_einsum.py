@@ -1,0 +1,273 @@
+"""Decomposed collective einsums: the technique this framework is built on.
+
+``collective_einsum(equation, lhs, rhs, mesh=..., lhs_spec=..., rhs_spec=...,
+out_spec=...)`` computes ``jnp.einsum(equation, lhs, rhs)`` for operands laid
+out as ``lhs_spec``/``rhs_spec`` and returns it laid out as ``out_spec``. The
+collective the layout implies along one mesh axis (an all-gather before the
+einsum, or a reduce-scatter after it) is decomposed together with the einsum
+into a ring of collective-permutes and partial einsums (parallelism/ring.py),
+so that on TPU/GPU each transfer overlaps the previous step's compute.
+
+Other mesh axes are left to the compiler: the ring runs in a ``shard_map``
+that is manual over the decomposed axis only. The gradient is decomposed too:
+the transpose of an all-gather einsum is an einsum reduce-scatter and vice
+versa, and the custom VJP calls this function for both operand gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from parallelism import cost_model, einsum_plan, ring
+from parallelism.einsum_plan import AxisPlan, Equation
+
+MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
+DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
+SCOPE = 'collective_einsum'
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What ``collective_einsum`` did, and why (see ``explain``)."""
+  equation: str
+  mode: str                      # none | unidirectional | bidirectional
+  axis: str | None               # the decomposed mesh axis
+  collective: str | None         # the AxisPlan kind of that axis
+  left_to_compiler: tuple[str, ...]  # other axes that need a collective
+  estimate: cost_model.Estimate | None
+  reason: str
+
+
+def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
+            mode='auto', hardware=None) -> Decision:
+  """Decides how ``collective_einsum`` would run, without running it.
+
+  Raises:
+    ValueError: for an explicit mode that cannot be honoured, naming the specs.
+  """
+  if mode not in MODES:
+    raise ValueError(f'mode={mode!r} is not one of {MODES}')
+  eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
+  needs = [p for p in plans if p.kind != 'pass']
+  specs = f'lhs {lhs_spec}, rhs {rhs_spec}, out {out_spec}'
+  fail = lambda why: _refuse(mode, str(eq), why, specs, needs)
+  if mode == 'none':
+    return Decision(str(eq), 'none', None, None, tuple(p.axis for p in needs), None,
+                    'mode="none"')
+  if not needs:
+    return fail('no mesh axis needs a collective')
+  chosen = _choose_axis(eq, needs, lhs_shape, rhs_shape, dtype, mesh, hardware)
+  if chosen.kind not in DECOMPOSABLE:
+    return fail(chosen.reason)
+  n = mesh.shape[chosen.axis]
+  problem = _shape_problem(eq, chosen, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n)
+  if problem:
+    return fail(problem)
+  estimate = cost_model.estimate(eq, chosen, lhs_shape, rhs_shape, dtype, mesh,
+                                 hardware or cost_model.DEFAULT_HARDWARE)
+  others = tuple(p.axis for p in needs if p is not chosen)
+  if mode == 'auto':
+    choice = estimate.best
+    reason = f'cost model ({estimate.hardware}) picks {choice}'
+  else:
+    choice, reason = mode, f'mode="{mode}"'
+  return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,
+                  others, estimate, reason)
+
+
+def _refuse(mode, eq, why, specs, needs) -> Decision:
+  if mode != 'auto':
+    raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
+  return Decision(eq, 'none', None, None, tuple(p.axis for p in needs), None,
+                  f'fallback to none: {why}')
+
+
+def _choose_axis(eq, needs, lhs_shape, rhs_shape, dtype, mesh, hardware) -> AxisPlan:
+  """The axis whose collective costs most; ``tensor`` when there is no model."""
+  candidates = [p for p in needs if p.kind in DECOMPOSABLE]
+  if not candidates:
+    return needs[0]
+  if len(candidates) == 1 or hardware is None:
+    named = [p for p in candidates if p.axis == 'tensor']
+    return (named or candidates)[0]
+  cost = lambda p: cost_model.estimate(eq, p, lhs_shape, rhs_shape, dtype, mesh,
+                                       hardware).comm_seconds
+  return max(candidates, key=cost)
+
+
+def _shape_problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n) -> str:
+  """Why shapes or specs rule the decomposition out, or ''."""
+  shapes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
+  for letters, spec in ((eq.lhs, lhs_spec), (eq.rhs, rhs_spec), (eq.out, out_spec)):
+    for axes in einsum_plan.letter_axes(letters, spec).values():
+      if p.axis in axes and len(axes) > 1:
+        return f'{p.axis} shares a dimension with other mesh axes {axes}'
+  for letter in filter(None, (p.letter, p.out_letter)):
+    if shapes[letter] % n:
+      return f'dimension {letter}={shapes[letter]} is not divisible by {p.axis}={n}'
+  return ''
+
+
+def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
+                      lhs_spec, rhs_spec, out_spec, mode: str = 'auto', unroll: int = 1,
+                      hardware=None) -> jax.Array:
+  """``einsum(equation, lhs, rhs)`` with its collective decomposed over a ring.
+
+  Args:
+    equation: e.g. ``"btd,df->btf"``.
+    lhs, rhs: global arrays laid out as ``lhs_spec`` / ``rhs_spec`` (resharded
+      to them if they are not).
+    mesh: the device mesh.
+    lhs_spec, rhs_spec, out_spec: PartitionSpecs over ``mesh``.
+    mode: ``none`` (plain einsum; the compiler inserts the collective),
+      ``unidirectional``, ``bidirectional``, or ``auto`` (the cost model picks).
+    unroll: 1, or 2 for two ring steps per loop iteration.
+    hardware: a ``parallelism.hardware`` profile name for the cost model
+      (default: ``cpu``, where decomposition never pays).
+
+  Returns:
+    The result laid out as ``out_spec``; bf16 inputs accumulate in fp32.
+  """
+  if unroll not in (1, 2):
+    raise ValueError(f'unroll={unroll} is not 1 or 2')
+  dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+  decision = explain(equation, lhs.shape, rhs.shape, dtype, mesh=mesh, lhs_spec=lhs_spec,
+                     rhs_spec=rhs_spec, out_spec=out_spec, mode=mode, hardware=hardware)
+  put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
+  if decision.mode == 'none':
+    out = jnp.einsum(equation, lhs, rhs, preferred_element_type=_acc(dtype)).astype(dtype)
+  else:
+    cfg = _Static(str(Equation.parse(equation)), mesh, PartitionSpec(*lhs_spec),
+                  PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
+                  decision.mode == 'bidirectional', unroll)
+    out = _decomposed(cfg, lhs, rhs)
+  return put(out, PartitionSpec(*out_spec))
+
+
+def _acc(dtype):
+  return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  equation: str
+  mesh: jax.sharding.Mesh
+  lhs_spec: PartitionSpec
+  rhs_spec: PartitionSpec
+  out_spec: PartitionSpec
+  axis: str
+  bidirectional: bool
+  unroll: int
+
+  def transposed(self, which: str) -> '_Static':
+    """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs')."""
+    eq = Equation.parse(self.equation)
+    if which == 'lhs':
+      equation, specs = f'{eq.out},{eq.rhs}->{eq.lhs}', (self.out_spec, self.rhs_spec,
+                                                           self.lhs_spec)
+    else:
+      equation, specs = f'{eq.lhs},{eq.out}->{eq.rhs}', (self.lhs_spec, self.out_spec,
+                                                           self.rhs_spec)
+    return dataclasses.replace(self, equation=equation, lhs_spec=specs[0],
+                               rhs_spec=specs[1], out_spec=specs[2])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _decomposed(cfg: _Static, lhs, rhs):
+  return _ring_einsum(cfg, lhs, rhs)
+
+
+def _decomposed_fwd(cfg, lhs, rhs):
+  return _ring_einsum(cfg, lhs, rhs), (lhs, rhs)
+
+
+def _decomposed_bwd(cfg, residuals, g):
+  lhs, rhs = residuals
+  d_lhs = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype)
+  d_rhs = _transpose_einsum(cfg.transposed('rhs'), lhs, g, rhs.dtype)
+  return d_lhs, d_rhs
+
+
+_decomposed.defvjp(_decomposed_fwd, _decomposed_bwd)
+
+
+def _transpose_einsum(cfg: _Static, a, b, dtype):
+  """A gradient einsum, decomposed over the same axis when its pattern allows."""
+  eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  plan = next(p for p in plans if p.axis == cfg.axis)
+  if plan.kind in DECOMPOSABLE:
+    out = _ring_einsum(cfg, a, b)
+  else:  # e.g. an all-reduce: the compiler's collective
+    out = jnp.einsum(str(eq), a, b, preferred_element_type=_acc(dtype))
+  out = jax.lax.with_sharding_constraint(out, NamedSharding(cfg.mesh, cfg.out_spec))
+  return out.astype(dtype)
+
+
+def _ring_einsum(cfg: _Static, lhs, rhs):
+  """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` only."""
+  eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  plan = next(p for p in plans if p.axis == cfg.axis)
+  only = lambda spec: PartitionSpec(*[
+      cfg.axis if cfg.axis in einsum_plan._axes_of(e) else None for e in spec])
+  n = cfg.mesh.shape[cfg.axis]
+  split = ring.ring_split(n, cfg.bidirectional)
+  dtype = jnp.result_type(lhs.dtype, rhs.dtype)
+  body = functools.partial(_local, eq, plan, n, split, cfg.unroll, dtype)
+  direction = 'bidirectional' if cfg.bidirectional else 'unidirectional'
+  # The scope names our ops in HLO metadata, so schedules can be checked.
+  with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
+    return jax.shard_map(body, mesh=cfg.mesh,
+                         in_specs=(only(cfg.lhs_spec), only(cfg.rhs_spec)),
+                         out_specs=only(cfg.out_spec), axis_names={cfg.axis})(lhs, rhs)
+
+
+def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, lhs, rhs):
+  """Per-device body: blocks along ``plan.axis`` are local, other axes global."""
+  axis, acc_dtype = plan.axis, _acc(dtype)
+  if plan.kind == 'reducescatter':
+    z = plan.out_letter
+    owner, owner_letters = ('lhs', eq.lhs) if z in eq.lhs else ('rhs', eq.rhs)
+    dim, block = owner_letters.index(z), (lhs if owner == 'lhs' else rhs).shape[
+        owner_letters.index(z)] // n
+
+    def partial(k):
+      piece = jax.lax.dynamic_slice_in_dim(lhs if owner == 'lhs' else rhs, k * block,
+                                           block, dim)
+      args = (piece, rhs) if owner == 'lhs' else (lhs, piece)
+      return jnp.einsum(str(eq), *args, preferred_element_type=acc_dtype)
+
+    return ring.reduce_scatter_einsum(partial, axis=axis, n=n, split=split,
+                                      unroll=unroll).astype(dtype)
+  g, o, g_letters, o_letters = ((lhs, rhs, eq.lhs, eq.rhs) if plan.gathered == 'lhs'
+                                else (rhs, lhs, eq.rhs, eq.lhs))
+  local_eq = f'{g_letters},{o_letters}->{eq.out}'
+  x = plan.letter
+  m = g.shape[g_letters.index(x)]
+  if plan.kind == 'allgather_free':
+    out_dim = eq.out.index(x)
+    out_shape = jax.eval_shape(lambda a, b: jnp.einsum(local_eq, a, b), g, o).shape
+    out_shape = out_shape[:out_dim] + (m * n,) + out_shape[out_dim + 1:]
+    acc = jax.lax.pcast(jnp.zeros(out_shape, dtype), (axis,), to='varying')
+
+    def consume(acc, block, src):
+      part = jnp.einsum(local_eq, block, o, preferred_element_type=acc_dtype)
+      return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), src * m, out_dim)
+  else:  # allgather_contracting: o holds the whole contracting dim
+    o_dim = o_letters.index(x)
+    out_shape = jax.eval_shape(
+        lambda a, b: jnp.einsum(local_eq, a, jax.lax.dynamic_slice_in_dim(b, 0, m, o_dim)),
+        g, o).shape
+    acc = jax.lax.pcast(jnp.zeros(out_shape, acc_dtype), (axis,), to='varying')
+
+    def consume(acc, block, src):
+      piece = jax.lax.dynamic_slice_in_dim(o, src * m, m, o_dim)
+      return acc + jnp.einsum(local_eq, block, piece, preferred_element_type=acc_dtype)
+
+  out = ring.all_gather_einsum(g, consume, acc, axis=axis, n=n, split=split, unroll=unroll)
+  return out.astype(dtype)

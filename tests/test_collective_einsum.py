@@ -1,0 +1,220 @@
+"""Decomposed collective einsums: values, gradients, HLO structure, cost model."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from parallelism import cost_model, einsum_plan, mesh as mesh_lib
+from parallelism.collective_einsum import collective_einsum, explain
+
+T, D = 'tensor', 'data'
+# (equation, lhs spec, rhs spec, out spec, expected kind); T is decomposed.
+PATTERNS = [
+    ('btd,df->btf', P(D, T, None), P(None, T), P(D, None, T), 'allgather_free'),
+    ('df,btd->btf', P(None, T), P(D, T, None), P(D, None, T), 'allgather_free'),
+    ('btd,df->btf', P(D, None, T), P(None, T), P(D, None, T), 'allgather_contracting'),
+    ('btf,fd->btd', P(D, None, T), P(T, None), P(D, T, None), 'reducescatter'),
+    ('bf,fd->bd', P(None, T), P(T, None), P(None, T), 'reducescatter'),
+    ('btd,dnh->btnh', P(D, T, None), P(None, T, None), P(D, None, T, None), 'allgather_free'),
+    ('btnh,nhd->btd', P(D, None, T, None), P(T, None, None), P(D, T, None), 'reducescatter'),
+]
+
+
+@functools.cache
+def _mesh(tensor: int, data: int = None):
+  data = data or 8 // tensor
+  return mesh_lib.make_mesh(dict(data=data, fsdp=8 // (tensor * data), tensor=tensor,
+                                 expert=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1,
+                                 dcn_expert=1))
+
+
+def _shapes(eq, specs, mesh, base):
+  """Letter sizes: ``base[letter]`` times the mesh sizes that shard the letter anywhere."""
+  ins, out = eq.split('->')
+  lhs, rhs = ins.split(',')
+  factors = {}
+  for letters, spec in zip((lhs, rhs, out), specs):
+    for letter, axes in einsum_plan.letter_axes(letters, spec).items():
+      for a in axes:
+        factors.setdefault(letter, {})[a] = mesh.shape[a] * (2 if a == T else 1)
+  size = lambda l: base[l] * int(np.prod(list(factors.get(l, {}).values()) or [1]))
+  return tuple(size(l) for l in lhs), tuple(size(l) for l in rhs)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _run(eq, lhs_spec, rhs_spec, out_spec, mesh, lhs, rhs, mode, unroll=1):
+  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=lhs_spec,
+                                     rhs_spec=rhs_spec, out_spec=out_spec, mode=mode,
+                                     unroll=unroll)
+  loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * weights(f(x, w).shape))
+  return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def weights(shape):
+  return jnp.cos(jnp.arange(np.prod(shape), dtype=jnp.float32)).reshape(shape)
+
+
+@given(pattern=st.sampled_from(PATTERNS), tensor=st.sampled_from([1, 2, 4, 8]),
+       dtype=st.sampled_from(['float32', 'bfloat16']),
+       mode=st.sampled_from(['unidirectional', 'bidirectional']),
+       unroll=st.sampled_from([1, 2]),
+       base=st.fixed_dictionaries({l: st.integers(1, 3) for l in 'btdfnh'}))
+def test_matches_plain_einsum(pattern, tensor, dtype, mode, unroll, base):
+  eq, ls, rs, os_, _ = pattern
+  mesh = _mesh(tensor)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, base)
+  lhs = jax.random.normal(jax.random.key(0), lhs_shape).astype(dtype)
+  rhs = jax.random.normal(jax.random.key(1), rhs_shape).astype(dtype)
+  fwd, grad = _run(eq, ls, rs, os_, mesh, lhs, rhs, mode, unroll)
+  ref32 = lambda x, w: jnp.einsum(eq, x.astype(jnp.float32), w.astype(jnp.float32))
+  ref_grad = jax.grad(lambda x, w: jnp.sum(ref32(x, w) * weights(ref32(x, w).shape)),
+                      argnums=(0, 1))(lhs, rhs)
+  tol = 1e-5 if dtype == 'float32' else 2e-2
+  out = fwd(lhs, rhs)
+  assert out.dtype == jnp.dtype(dtype)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, os_), out.ndim)
+  assert _rel(out, ref32(lhs, rhs)) < tol
+  for got, want in zip(grad(lhs, rhs), ref_grad):
+    assert _rel(got, want) < tol
+
+
+# ----------------------------------------------------------------- HLO checks
+
+def _executed_permutes(hlo: str) -> int:
+  """collective-permutes executed by a compiled module: loop bodies x trip counts."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    m = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
+    if m:
+      name = m.group(1)
+      comps[name] = []
+    elif name:
+      comps[name].append(line)
+
+  @functools.cache
+  def count(comp):
+    total = 0
+    for line in comps.get(comp, ()):
+      if re.search(r'collective-permute(-start)?\(', line):
+        total += 1
+      for callee in re.findall(r'(?:to_apply|calls)=%?([\w.\-]+)', line):
+        total += count(callee)
+      if ' while(' in line:
+        body = re.search(r'body=%?([\w.\-]+)', line).group(1)
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        assert trips, f'no known trip count on: {line[:200]}'
+        total += int(trips.group(1)) * count(body)
+    return total
+
+  entry = re.search(r'^ENTRY %?([\w.\-]+)', hlo, re.M).group(1)
+  return count(entry)
+
+
+def _collectives(hlo: str) -> dict[str, int]:
+  kinds = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all')
+  return {k: len(re.findall(rf'\b{k}(-start)?\(', hlo)) for k in kinds}
+
+
+@pytest.mark.parametrize('pattern', PATTERNS, ids=[p[0] + ':' + p[4] for p in PATTERNS])
+def test_hlo_has_no_collective_over_the_decomposed_axis(pattern):
+  eq, ls, rs, os_, kind = pattern
+  mesh = _mesh(4, data=1)  # data=1: every collective left would be over tensor
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict(b=2, t=2, d=2, f=2, n=2, h=2))
+  lhs, rhs = jnp.ones(lhs_shape), jnp.ones(rhs_shape)
+  assert explain(eq, lhs_shape, rhs_shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                 out_spec=os_, mode='unidirectional').collective == kind
+  n = mesh.shape[T]
+  for mode, steps in (('none', 0), ('unidirectional', n - 1), ('bidirectional', n - 1)):
+    fwd, _ = _run(eq, ls, rs, os_, mesh, lhs, rhs, mode)
+    hlos = [fwd.lower(lhs, rhs).compile().as_text()]
+    for argnum in (0, 1):  # each operand's gradient alone: one transposed einsum
+      grad = jax.jit(jax.grad(lambda x, w: jnp.sum(fwd(x, w) * weights(fwd(x, w).shape)),
+                              argnums=argnum))
+      hlos.append(grad.lower(lhs, rhs).compile().as_text())
+    for hlo in hlos:
+      if mode == 'none':  # the plain einsum needs the collective: the check can fail
+        assert sum(_collectives(hlo).values()) > 0
+      else:
+        assert sum(_collectives(hlo).values()) == 0, _collectives(hlo)
+        assert _executed_permutes(hlo) == steps
+
+
+def test_bidirectional_halves_the_sequential_steps():
+  from parallelism import ring
+  assert ring.ring_split(8, False) == (7, 0)
+  assert ring.ring_split(8, True) == (4, 3)   # 4 sequential rounds instead of 7
+  assert ring.ring_split(4, True) == (2, 1)
+  assert ring.ring_split(2, True) == (1, 0)
+
+
+# ------------------------------------------------------- errors and fallbacks
+
+def test_explicit_mode_rejects_unsupported_specs():
+  mesh = _mesh(4)
+  # Contracting dim sharded on both operands with a replicated output: an all-reduce.
+  with pytest.raises(ValueError, match=r'all-reduce over tensor.*\(lhs P\(None'):
+    explain('bf,fd->bd', (8, 8), (8, 8), 'float32', mesh=mesh, lhs_spec=P(None, T),
+            rhs_spec=P(T, None), out_spec=P(None, None), mode='unidirectional')
+  with pytest.raises(ValueError, match='dimension b=6 is not divisible by tensor=4'):
+    explain('bd,df->bf', (6, 8), (8, 8), 'float32', mesh=mesh, lhs_spec=P(T, None),
+            rhs_spec=P(None, T), out_spec=P(None, T), mode='bidirectional')
+  d = explain('bf,fd->bd', (8, 8), (8, 8), 'float32', mesh=mesh, lhs_spec=P(None, T),
+              rhs_spec=P(T, None), out_spec=P(None, None), mode='auto')
+  assert d.mode == 'none' and 'all-reduce' in d.reason
+
+
+def test_two_axes_decompose_tensor_and_leave_the_other():
+  mesh = _mesh(4, data=1)  # fsdp=2
+  eq = 'bd,df->bf'
+  ls, rs, os_ = P('fsdp', T), P(None, T), P(None, T)  # fsdp: all-gather of b
+  d = explain(eq, (8, 8), (8, 8), 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='unidirectional')
+  assert d.axis == T and d.left_to_compiler == ('fsdp',)
+  x, w = jax.random.normal(jax.random.key(0), (8, 8)), jax.random.normal(jax.random.key(1), (8, 8))
+  fwd, grad = _run(eq, ls, rs, os_, mesh, x, w, 'unidirectional')
+  assert _rel(fwd(x, w), x @ w) < 1e-5
+
+
+# ------------------------------------------------------------------ cost model
+
+def test_cost_model_choices():
+  mesh = _mesh(8)
+  # Per-step compute hides transfer iff n_local >= b*F/(2B) = 6111 on v4 (technique.md).
+  big = dict(lhs_shape=(8192, 8192), rhs_shape=(8192, 65536), dtype='bfloat16',
+             mesh=mesh, lhs_spec=P(T, None), rhs_spec=P(None, T), out_spec=P(None, T))
+  small = dict(big, lhs_shape=(8192, 8192), rhs_shape=(8192, 64))
+  eq = 'bd,df->bf'
+  assert explain(eq, **big, hardware='cpu').mode == 'none'  # never pays on CPU
+  d = explain(eq, **big, hardware='tpu_v4')
+  assert d.mode in ('unidirectional', 'bidirectional'), d
+  est = d.estimate
+  assert est.step_compute_seconds > est.step_transfer_seconds  # compute hides transfer
+  assert est.seconds[d.mode] < est.seconds['none']
+  d = explain(eq, **small, hardware='tpu_v4')  # tiny per-step compute: comm-bound
+  assert d.mode == 'none' and d.estimate.step_compute_seconds < d.estimate.step_transfer_seconds
+
+
+def test_cost_model_formula_by_hand():
+  from parallelism import hardware
+  profile = hardware.HardwareProfile('toy', 1e12, 'toy', 1e9, 1, 0.0, True)
+  mesh = _mesh(4)
+  eq, plans = einsum_plan.plan('bd,df->bf', P(T, None), P(None, T), P(None, T))
+  plan = next(p for p in plans if p.axis == T)
+  est = cost_model.estimate(eq, plan, (64, 64), (64, 64), 'float32', mesh, profile)
+  # 8 devices share 2*64^3 FLOPs; 4 steps; a block is 64*64/8 fp32 values.
+  c, t = 2 * 64 ** 3 / 8 / 1e12 / 4, 64 * 64 / 8 * 4 / 1e9
+  assert est.step_compute_seconds == pytest.approx(c)
+  assert est.step_transfer_seconds == pytest.approx(t)
+  assert est.seconds['none'] == pytest.approx(4 * c + 3 * t / 2)
+  assert est.seconds['unidirectional'] == pytest.approx(c + 3 * max(c, t))
+  assert est.seconds['bidirectional'] == pytest.approx(c + 2 * max(2 * c, t))

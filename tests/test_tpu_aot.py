@@ -1,0 +1,56 @@
+"""The decomposed einsum as the real TPU compiler schedules it (AOT, on CPU).
+
+Needs the ``tpu`` extra (libtpu). Compiles in a subprocess with XLA's own
+windowed einsum turned off, so every collective-permute in the program is ours.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
+
+
+def _compile(mode: str, kind: str) -> str:
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  env['LIBTPU_INIT_ARGS'] = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'tpu_aot_probe.py'),
+                         mode, kind], env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def _overlapped_pairs(hlo: str) -> tuple[int, int]:
+  """(our async permute pairs, of which with einsum work scheduled inside)."""
+  lines = hlo.splitlines()
+  pairs = overlapped = 0
+  for i, line in enumerate(lines):
+    m = re.search(r'(%[\w.\-]+) = .*collective-permute-start\(', line)
+    if not m or 'collective_einsum' not in line:
+      continue
+    pairs += 1
+    for later in lines[i + 1:]:
+      if re.search(r'collective-permute-done\(' + re.escape(m.group(1)) + r'\b', later):
+        break
+      if re.search(r'\b(convolution|dot)\(|fusion\(.*kind=kOutput|calls=%?[\w.\-]*(convolution|dot)', later):
+        overlapped += 1
+        break
+  return pairs, overlapped
+
+
+@pytest.mark.parametrize('kind', ['ag', 'rs'])
+def test_tpu_schedule_overlaps_our_permutes_with_einsums(kind):
+  hlo = _compile('unidirectional', kind)
+  pairs, overlapped = _overlapped_pairs(hlo)
+  assert pairs >= 1, 'no collective-permute-start from collective_einsum in the TPU program'
+  assert overlapped >= 1, f'{pairs} permute pairs but none has einsum work scheduled inside'
+  plain = _compile('none', kind)
+  assert _overlapped_pairs(plain)[0] == 0

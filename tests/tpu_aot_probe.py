@@ -1,0 +1,41 @@
+"""Compiles a decomposed einsum for TPU v4:2x2x2 on this CPU machine.
+
+Run by tests/test_tpu_aot.py in its own process: LIBTPU_INIT_ARGS (which turns
+XLA's own windowed einsum off) is read once per process. Prints the scheduled
+TPU HLO.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+from jax.experimental import topologies  # pylint: disable=wrong-import-position
+from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
+
+from parallelism import mesh as mesh_lib  # pylint: disable=wrong-import-position
+from parallelism.collective_einsum import collective_einsum  # pylint: disable=wrong-import-position
+
+
+def main(mode: str, kind: str):
+  topo = topologies.get_topology_desc(platform='tpu', topology_name='v4:2x2x2',
+                                      chip_config_name='megacore',
+                                      chips_per_host_bounds=(2, 2, 1), num_slices=1)
+  mesh = mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=-1, expert=1, dcn_data=1, dcn_fsdp=1,
+                                 dcn_tensor=1, dcn_expert=1), topo.devices)
+  t = 'tensor'
+  if kind == 'ag':
+    eq, ls, rs, specs = 'td,df->tf', (8192, 4096), (4096, 16384), (P(t, None), P(None, t), P(None, t))
+  else:
+    eq, ls, rs, specs = 'tf,fd->td', (8192, 16384), (16384, 4096), (P(None, t), P(t, None), P(t, None))
+  f = jax.jit(lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=specs[0],
+                                             rhs_spec=specs[1], out_spec=specs[2], mode=mode))
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+          for s, p in ((ls, specs[0]), (rs, specs[1]))]
+  print(f.lower(*args).compile().as_text())
+
+
+if __name__ == '__main__':
+  main(*sys.argv[1:])
