@@ -74,6 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Ordered logical-axis rules: [logical name, mesh axis | [mesh axes] | None].
   c.mesh.logical_axis_rules = [
       ['batch', ['data', 'fsdp']],
+      ['residual_length', 'tensor'],  # sequence-parallel residual stream
       ['vocab', 'tensor'],
       ['embed', 'fsdp'],
       ['mlp', 'tensor'],
@@ -81,6 +82,11 @@ def get_config() -> ml_collections.ConfigDict:
       ['kv_heads', 'tensor'],
       ['exp', 'expert'],
   ]
+
+  c.parallelism = ml_collections.ConfigDict()
+  c.parallelism.collective_matmul = 'auto'      # auto (cost model) | always | never
+  c.parallelism.direction = 'unidirectional'    # ring direction under 'always'
+  c.parallelism.unroll = 1                      # ring steps per loop iteration: 1 | 2
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 0      # steps between checkpoints (0: none yet)

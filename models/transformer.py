@@ -6,7 +6,10 @@ across packed document boundaries, optional scan over layers and remat.
 
 Every weight names its logical axes (``embed``, ``mlp``, ``heads``,
 ``kv_heads``, ``head_dim``, ``vocab``, ``layers``); activations are declared
-through :class:`models.ops.Ops`. Nothing here knows about meshes.
+through :class:`models.ops.Ops`. The residual stream between blocks is
+``('batch', 'residual_length', 'embed')``, a sequence axis of its own, so that
+rules can shard it over a mesh axis (sequence parallelism) while activations
+inside a block (``'length'``) stay whole. Nothing here knows about meshes.
 Shape letters: b batch, t/s query/key position, d embed, f mlp, n heads,
 k kv_heads, g query heads per kv head, h head_dim, v vocab, l layers.
 """
@@ -97,11 +100,14 @@ def rotary(x_btnh: jax.Array, positions_bt: jax.Array, theta: float):
   return out.astype(x_btnh.dtype)
 
 
+RESIDUAL = ('batch', 'residual_length', 'embed')
+
+
 class Attention(nnx.Module):
   """Multi-head attention with grouped-query option (num_kv_heads)."""
 
-  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs):
-    self.cfg, self.ops = cfg, ops
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str = 'attn'):
+    self.cfg, self.ops, self.path = cfg, ops, path
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.q_dnh = _param(rngs, (d, n, h), ('embed', 'heads', 'head_dim'), cfg, d)
     self.k_dkh = _param(rngs, (d, k, h), ('embed', 'kv_heads', 'head_dim'), cfg, d)
@@ -111,24 +117,23 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd, positions_bt, segments_bt):
     cfg, ops, dt = self.cfg, self.ops, jnp.dtype(self.cfg.dtype)
-    act = ('batch', 'length', 'embed')
     proj = lambda eq, w, w_axes, out_axes, name: ops.einsum(
-        eq, x_btd, w[...].astype(dt), x_axes=act, w_axes=w_axes,
-        out_axes=out_axes, name=name)
+        eq, x_btd, w[...].astype(dt), x_axes=RESIDUAL, w_axes=w_axes,
+        out_axes=out_axes, name=f'{self.path}.{name}')
     q_btnh = proj('btd,dnh->btnh', self.q_dnh, ('embed', 'heads', 'head_dim'),
-                  ('batch', 'length', 'heads', 'head_dim'), 'attn.q')
+                  ('batch', 'length', 'heads', 'head_dim'), 'q')
     k_btkh = proj('btd,dkh->btkh', self.k_dkh, ('embed', 'kv_heads', 'head_dim'),
-                  ('batch', 'length', 'kv_heads', 'head_dim'), 'attn.k')
+                  ('batch', 'length', 'kv_heads', 'head_dim'), 'k')
     v_btkh = proj('btd,dkh->btkh', self.v_dkh, ('embed', 'kv_heads', 'head_dim'),
-                  ('batch', 'length', 'kv_heads', 'head_dim'), 'attn.v')
+                  ('batch', 'length', 'kv_heads', 'head_dim'), 'v')
     q_btnh = rotary(q_btnh, positions_bt, cfg.rope_theta)
     k_btkh = rotary(k_btkh, positions_bt, cfg.rope_theta)
     out_btnh = attend(q_btnh, k_btkh, v_btkh, segments_bt)
     out_btnh = ops.constrain(out_btnh, ('batch', 'length', 'heads', 'head_dim'))
     return ops.einsum('btnh,nhd->btd', out_btnh, self.o_nhd[...].astype(dt),
                       x_axes=('batch', 'length', 'heads', 'head_dim'),
-                      w_axes=('heads', 'head_dim', 'embed'), out_axes=act,
-                      name='attn.o')
+                      w_axes=('heads', 'head_dim', 'embed'), out_axes=RESIDUAL,
+                      name=f'{self.path}.o')
 
 
 def attend(q_btnh, k_bskh, v_bskh, segments_bt):
@@ -151,8 +156,8 @@ def attend(q_btnh, k_bskh, v_bskh, segments_bt):
 class Mlp(nnx.Module):
   """SwiGLU feed-forward: (silu(x W_gate) * x W_up) W_down."""
 
-  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs):
-    self.cfg, self.ops = cfg, ops
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str = 'mlp'):
+    self.cfg, self.ops, self.path = cfg, ops, path
     d, f = cfg.d_model, cfg.mlp_dim
     self.gate_df = _param(rngs, (d, f), ('embed', 'mlp'), cfg, d)
     self.up_df = _param(rngs, (d, f), ('embed', 'mlp'), cfg, d)
@@ -161,30 +166,30 @@ class Mlp(nnx.Module):
 
   def __call__(self, x_btd):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
-    act, hid = ('batch', 'length', 'embed'), ('batch', 'length', 'mlp')
+    hid = ('batch', 'length', 'mlp')
     up = lambda w, name: ops.einsum('btd,df->btf', x_btd, w[...].astype(dt),
-                                    x_axes=act, w_axes=('embed', 'mlp'),
-                                    out_axes=hid, name=name)
-    h_btf = jax.nn.silu(up(self.gate_df, 'mlp.gate')) * up(self.up_df, 'mlp.up')
+                                    x_axes=RESIDUAL, w_axes=('embed', 'mlp'),
+                                    out_axes=hid, name=f'{self.path}.{name}')
+    h_btf = jax.nn.silu(up(self.gate_df, 'gate')) * up(self.up_df, 'up')
     return ops.einsum('btf,fd->btd', h_btf, self.down_fd[...].astype(dt),
-                      x_axes=hid, w_axes=('mlp', 'embed'), out_axes=act,
-                      name='mlp.down')
+                      x_axes=hid, w_axes=('mlp', 'embed'), out_axes=RESIDUAL,
+                      name=f'{self.path}.down')
 
 
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str = 'block'):
     self.ops = ops
     self.attn_norm = RMSNorm(cfg)
-    self.attn = Attention(cfg, ops, rngs)
+    self.attn = Attention(cfg, ops, rngs, f'{path}.attn')
     self.mlp_norm = RMSNorm(cfg)
-    self.mlp = Mlp(cfg, ops, rngs)
+    self.mlp = Mlp(cfg, ops, rngs, f'{path}.mlp')
 
   def __call__(self, x_btd, positions_bt, segments_bt):
     x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segments_bt)
     x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
-    return self.ops.constrain(x_btd, ('batch', 'length', 'embed'))
+    return self.ops.constrain(x_btd, RESIDUAL)
 
 
 class Transformer(nnx.Module):
@@ -201,10 +206,11 @@ class Transformer(nnx.Module):
       @nnx.vmap(in_axes=0, out_axes=0,
                 transform_metadata={nnx.PARTITION_NAME: 'layers'})
       def make_blocks(rngs):
-        return Block(cfg, ops, rngs)
+        return Block(cfg, ops, rngs, 'blocks.*')
       self.blocks = make_blocks(rngs)
     else:
-      self.blocks = nnx.List([Block(cfg, ops, rngs) for _ in range(cfg.num_layers)])
+      self.blocks = nnx.List([Block(cfg, ops, rngs, f'blocks.{i}')
+                              for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg)
     if not cfg.tie_embeddings:
       self.unembed_dv = _param(rngs, (cfg.d_model, cfg.vocab_size),
@@ -217,7 +223,7 @@ class Transformer(nnx.Module):
     if segments_bt is None:
       segments_bt = jnp.zeros_like(tokens_bt)
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
-    x_btd = ops.constrain(x_btd, ('batch', 'length', 'embed'))
+    x_btd = ops.constrain(x_btd, RESIDUAL)
     x_btd = self._run_blocks(x_btd, positions_bt, segments_bt)
     x_btd = self.final_norm(x_btd)
     if cfg.tie_embeddings:
@@ -225,7 +231,7 @@ class Transformer(nnx.Module):
     else:
       w_dv, eq, w_axes = self.unembed_dv[...], 'btd,dv->btv', ('embed', 'vocab')
     logits = ops.einsum(eq, x_btd, w_dv.astype(dt),
-                        x_axes=('batch', 'length', 'embed'), w_axes=w_axes,
+                        x_axes=RESIDUAL, w_axes=w_axes,
                         out_axes=('batch', 'length', 'vocab'), name='unembed')
     return logits.astype(jnp.float32)
 

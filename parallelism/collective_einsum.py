@@ -53,24 +53,24 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   if mode not in MODES:
     raise ValueError(f'mode={mode!r} is not one of {MODES}')
   eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
-  needs = [p for p in plans if p.kind != 'pass']
+  # An axis of size 1 needs no collective whatever the specs say.
+  needs = [p for p in plans if p.kind != 'pass' and mesh.shape[p.axis] > 1]
   specs = f'lhs {lhs_spec}, rhs {rhs_spec}, out {out_spec}'
-  fail = lambda why: _refuse(mode, str(eq), why, specs, needs)
-  if mode == 'none':
-    return Decision(str(eq), 'none', None, None, tuple(p.axis for p in needs), None,
-                    'mode="none"')
-  if not needs:
-    return fail('no mesh axis needs a collective')
-  chosen = _choose_axis(eq, needs, lhs_shape, rhs_shape, dtype, mesh, hardware)
-  if chosen.kind not in DECOMPOSABLE:
-    return fail(chosen.reason)
-  n = mesh.shape[chosen.axis]
-  problem = _shape_problem(eq, chosen, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n)
-  if problem:
-    return fail(problem)
-  estimate = cost_model.estimate(eq, chosen, lhs_shape, rhs_shape, dtype, mesh,
-                                 hardware or cost_model.DEFAULT_HARDWARE)
+  problems = {p.axis: _problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec,
+                               mesh.shape[p.axis]) for p in needs}
+  ok = [p for p in needs if not problems[p.axis]]
+  chosen = _choose_axis(eq, ok, lhs_shape, rhs_shape, dtype, mesh, hardware) if ok else None
+  estimate = chosen and cost_model.estimate(eq, chosen, lhs_shape, rhs_shape, dtype, mesh,
+                                            hardware or cost_model.DEFAULT_HARDWARE)
   others = tuple(p.axis for p in needs if p is not chosen)
+  if mode == 'none':
+    return Decision(str(eq), 'none', None, chosen and chosen.kind, others, estimate,
+                    'mode="none"')
+  if chosen is None:
+    why = '; '.join(problems.values()) or 'no mesh axis needs a collective'
+    if mode != 'auto':
+      raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
+    return Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}')
   if mode == 'auto':
     choice = estimate.best
     reason = f'cost model ({estimate.hardware}) picks {choice}'
@@ -80,18 +80,8 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
                   others, estimate, reason)
 
 
-def _refuse(mode, eq, why, specs, needs) -> Decision:
-  if mode != 'auto':
-    raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
-  return Decision(eq, 'none', None, None, tuple(p.axis for p in needs), None,
-                  f'fallback to none: {why}')
-
-
-def _choose_axis(eq, needs, lhs_shape, rhs_shape, dtype, mesh, hardware) -> AxisPlan:
+def _choose_axis(eq, candidates, lhs_shape, rhs_shape, dtype, mesh, hardware) -> AxisPlan:
   """The axis whose collective costs most; ``tensor`` when there is no model."""
-  candidates = [p for p in needs if p.kind in DECOMPOSABLE]
-  if not candidates:
-    return needs[0]
   if len(candidates) == 1 or hardware is None:
     named = [p for p in candidates if p.axis == 'tensor']
     return (named or candidates)[0]
@@ -100,8 +90,10 @@ def _choose_axis(eq, needs, lhs_shape, rhs_shape, dtype, mesh, hardware) -> Axis
   return max(candidates, key=cost)
 
 
-def _shape_problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n) -> str:
-  """Why shapes or specs rule the decomposition out, or ''."""
+def _problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n) -> str:
+  """Why this axis cannot be decomposed, or ''."""
+  if p.kind not in DECOMPOSABLE:
+    return p.reason
   shapes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
   for letters, spec in ((eq.lhs, lhs_spec), (eq.rhs, rhs_spec), (eq.out, out_spec)):
     for axes in einsum_plan.letter_axes(letters, spec).values():
@@ -223,13 +215,15 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
     return jax.shard_map(body, mesh=cfg.mesh,
-                         in_specs=(only(cfg.lhs_spec), only(cfg.rhs_spec)),
-                         out_specs=only(cfg.out_spec), axis_names={cfg.axis})(lhs, rhs)
+                         in_specs=(PartitionSpec(cfg.axis), only(cfg.lhs_spec),
+                                   only(cfg.rhs_spec)),
+                         out_specs=only(cfg.out_spec), axis_names={cfg.axis})(
+                             ring.ring_positions(n), lhs, rhs)
 
 
-def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, lhs, rhs):
+def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, ids, lhs, rhs):
   """Per-device body: blocks along ``plan.axis`` are local, other axes global."""
-  axis, acc_dtype = plan.axis, _acc(dtype)
+  axis, acc_dtype, idx = plan.axis, _acc(dtype), ids[0]
   if plan.kind == 'reducescatter':
     z = plan.out_letter
     owner, owner_letters = ('lhs', eq.lhs) if z in eq.lhs else ('rhs', eq.rhs)
@@ -242,7 +236,7 @@ def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, lhs,
       args = (piece, rhs) if owner == 'lhs' else (lhs, piece)
       return jnp.einsum(str(eq), *args, preferred_element_type=acc_dtype)
 
-    return ring.reduce_scatter_einsum(partial, axis=axis, n=n, split=split,
+    return ring.reduce_scatter_einsum(partial, axis=axis, n=n, idx=idx, split=split,
                                       unroll=unroll).astype(dtype)
   g, o, g_letters, o_letters = ((lhs, rhs, eq.lhs, eq.rhs) if plan.gathered == 'lhs'
                                 else (rhs, lhs, eq.rhs, eq.lhs))
@@ -269,5 +263,6 @@ def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, lhs,
       piece = jax.lax.dynamic_slice_in_dim(o, src * m, m, o_dim)
       return acc + jnp.einsum(local_eq, block, piece, preferred_element_type=acc_dtype)
 
-  out = ring.all_gather_einsum(g, consume, acc, axis=axis, n=n, split=split, unroll=unroll)
+  out = ring.all_gather_einsum(g, consume, acc, axis=axis, n=n, idx=idx, split=split,
+                               unroll=unroll)
   return out.astype(dtype)

@@ -1,6 +1,7 @@
 """Ring drivers for decomposed collectives, run inside ``jax.shard_map``.
 
-Both drivers take the ring split ``(n_right, n_left)``: how many of the other
+Both drivers take this device's position ``idx`` on the ring (see
+``ring_positions``) and the ring split ``(n_right, n_left)``: how many of the other
 N-1 devices' contributions arrive through each direction of the ring.
 Unidirectional is ``(N-1, 0)``: N-1 collective-permutes in sequence.
 Bidirectional is ``(ceil((N-1)/2), floor((N-1)/2))``: two streams in opposite
@@ -26,6 +27,18 @@ def ring_split(n: int, bidirectional: bool) -> tuple[int, int]:
   return n // 2, (n - 1) // 2
 
 
+def ring_positions(n: int) -> jax.Array:
+  """An int32 array of the ring positions, to pass into the shard_map as P(axis).
+
+  Inside, element 0 of the local block is this device's position. This avoids
+  ``jax.lax.axis_index``, whose partition-id XLA refuses to partition when the
+  shard_map is manual over some axes only and its operands' layouts on the
+  other axes come from propagation (seen in a train step whose loss ends in a
+  logsumexp over vocab-sharded logits).
+  """
+  return jnp.arange(n, dtype=jnp.int32)
+
+
 def recv_from(x: jax.Array, axis: str, n: int, offset: int) -> jax.Array:
   """Device j receives the value of device (j + offset) mod n."""
   return jax.lax.ppermute(x, axis, [((j + offset) % n, j) for j in range(n)])
@@ -38,14 +51,13 @@ def _loop(lo: int, hi: int, body, carry, unroll: int):
 
 
 def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n: int,
-                      split: tuple[int, int], unroll: int = 1):
+                      idx: jax.Array, split: tuple[int, int], unroll: int = 1):
   """Folds every device's ``shard`` into ``acc`` without an all-gather.
 
   ``consume(acc, block, src)`` folds in the block that device ``src`` holds
   (writes an einsum at its offset, or adds a partial sum).
   """
   n_right, n_left = split
-  idx = jax.lax.axis_index(axis)
   at = lambda s: (idx + s) % n
   acc = consume(acc, shard, idx)
   if n == 1:
@@ -80,7 +92,7 @@ def _unfused(x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(x)
 
 
-def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int,
+def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
                           split: tuple[int, int], unroll: int = 1) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
@@ -89,7 +101,6 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int,
   contribution for the next step does not depend on the transfer in flight.
   """
   n_right, n_left = split
-  idx = jax.lax.axis_index(axis)
   at = lambda s: (idx + s) % n
   if n == 1:
     return partial(idx)

@@ -9,13 +9,16 @@ names without a rule are replicated.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.ops import Axes, Ops
+from parallelism.collective_einsum import collective_einsum, explain
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -102,11 +105,36 @@ def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-class ShardedOps(Ops):
-  """Ops that turn logical activation axes into sharding constraints."""
+@dataclasses.dataclass(frozen=True)
+class MatmulPolicy:
+  """The ``parallelism.*`` config: when dense layers use collective einsums."""
+  collective_matmul: str = 'auto'       # auto | always | never
+  direction: str = 'unidirectional'     # for 'always': unidirectional | bidirectional
+  unroll: int = 1                       # ring steps per loop iteration: 1 | 2
+  hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
 
-  def __init__(self, mesh: jax.sharding.Mesh, rules: Rules):
-    self.mesh, self.rules = mesh, rules
+  def validate(self) -> None:
+    choices = {'collective_matmul': ('auto', 'always', 'never'),
+               'direction': ('unidirectional', 'bidirectional'), 'unroll': (1, 2)}
+    for key, allowed in choices.items():
+      if getattr(self, key) not in allowed:
+        raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
+
+
+class ShardedOps(Ops):
+  """Ops that turn logical axes into shardings and dense layers into collective einsums.
+
+  Every dense layer's einsum is planned from the shardings its logical axes
+  imply (parallelism/collective_einsum.py); under ``policy.collective_matmul``
+  it runs decomposed or plain. The decision of every layer traced so far is
+  in ``decisions`` (layer path -> (Decision, specs)); the startup report
+  reads it.
+  """
+
+  def __init__(self, mesh: jax.sharding.Mesh, rules: Rules,
+               policy: MatmulPolicy = MatmulPolicy(collective_matmul='never')):
+    self.mesh, self.rules, self.policy = mesh, rules, policy
+    self.decisions: dict[str, Any] = {}
 
   def spec(self, axes: Axes) -> PartitionSpec:
     return logical_to_spec(axes, self.rules)
@@ -115,9 +143,34 @@ class ShardedOps(Ops):
     sharding = NamedSharding(self.mesh, self.spec(axes))
     return jax.lax.with_sharding_constraint(x, sharding)
 
+  def einsum(self, equation, x, w, *, x_axes, w_axes, out_axes, name):
+    specs = tuple(self.spec(a) for a in (x_axes, w_axes, out_axes))
+    decision = self._decide(equation, x, w, specs)
+    self.decisions[name] = (decision, specs)
+    with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
+      return collective_einsum(
+          equation, x, w, mesh=self.mesh, lhs_spec=specs[0], rhs_spec=specs[1],
+          out_spec=specs[2], mode=decision.mode, unroll=self.policy.unroll,
+          hardware=self.policy.hardware)
+
+  def _decide(self, equation, x, w, specs):
+    decide = lambda mode: explain(
+        equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
+        lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
+        hardware=self.policy.hardware)
+    setting = self.policy.collective_matmul
+    if setting == 'never':
+      return decide('none')
+    if setting == 'auto':
+      return decide('auto')
+    try:  # 'always': every eligible layer
+      return decide(self.policy.direction)
+    except ValueError:  # not eligible: 'auto' returns 'none' with the reason
+      return decide('auto')
+
   def __hash__(self):
-    return hash((self.mesh, self.rules))
+    return hash((self.mesh, self.rules, self.policy))
 
   def __eq__(self, other):
     return (type(other) is type(self) and self.mesh == other.mesh
-            and self.rules == other.rules)
+            and self.rules == other.rules and self.policy == other.policy)

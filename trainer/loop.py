@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -11,8 +12,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from models.transformer import Transformer, count_params
-from parallelism import hardware, mesh as mesh_lib, sharding
-from trainer import data, metrics as metrics_lib, optim
+from parallelism import hardware, mesh as mesh_lib, report, sharding
+from trainer import data, metrics as metrics_lib, optim, train as train_lib
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
@@ -24,7 +25,7 @@ def train(run) -> dict:
   last_step = cfg.stop_after or cfg.steps
 
   # ---------------------------------------------------------------- model
-  ops = sharding.ShardedOps(mesh, rules)
+  ops = sharding.ShardedOps(mesh, rules, train_lib.matmul_policy(cfg))
   make_model = lambda: Transformer(run.model_cfg, nnx.Rngs(cfg.seed), ops)
   graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
   tx, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
@@ -73,6 +74,14 @@ def train(run) -> dict:
       f'({jax.process_count()} process(es)); train step compiled in {compile_s:.1f}s')
   log(f'{flops_tok / 1e6:.1f} MFLOP per token; peak {peak / 1e9:.2f} GFLOP/s per '
       f'device ({peak_source})')
+  # Tracing the step recorded every dense layer's decision in `ops`.
+  layer_rows = report.rows(ops.decisions)
+  decomposed = sum(r['decision'] != 'none' for r in layer_rows)
+  log(f'parallelism: collective_matmul={ops.policy.collective_matmul}, '
+      f'{decomposed}/{len(layer_rows)} dense layers decomposed (step times modeled for '
+      f'{ops.policy.hardware})\n{report.table(layer_rows)}')
+  if is_main:
+    report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, ops.policy)
 
   # ------------------------------------------------------------- the loop
   writer = metrics_lib.MetricsWriter(run.workdir, last_step, 0, enabled=is_main)

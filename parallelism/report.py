@@ -1,0 +1,63 @@
+"""The parallelism report: one row per dense layer, what its sharding implies
+and what the parallelism layer decided (printed at start, and written to
+``WORKDIR/parallelism_report.json``). Times are modeled by
+parallelism/cost_model.py, not measured."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from parallelism import einsum_plan
+
+
+def rows(decisions: dict[str, Any]) -> list[dict]:
+  """Report rows from ``ShardedOps.decisions`` (path -> (Decision, specs))."""
+  out = []
+  for path, (d, specs) in decisions.items():
+    est = d.estimate
+    out.append({
+        'path': path,
+        'einsum': d.equation,
+        'sharded_dims': _sharded_dims(d.equation, specs),
+        'collective': f'{d.collective} over {est.axis}' if d.collective and est else 'none needed',
+        'decision': d.mode,
+        'reason': d.reason,
+        'left_to_compiler': list(d.left_to_compiler),
+        'modeled_step_compute_us': est and round(est.step_compute_seconds * 1e6, 3),
+        'modeled_step_transfer_us': est and round(est.step_transfer_seconds * 1e6, 3),
+        'modeled_seconds': est and est.seconds,
+    })
+  return out
+
+
+def _sharded_dims(equation: str, specs) -> str:
+  eq = einsum_plan.Equation.parse(equation)
+  parts = []
+  for name, letters, spec in (('lhs', eq.lhs, specs[0]), ('rhs', eq.rhs, specs[1]),
+                              ('out', eq.out, specs[2])):
+    dims = [f'{l}@{"+".join(a)}' for l, a in einsum_plan.letter_axes(letters, spec).items() if a]
+    parts.append(f'{name} {",".join(dims) or "-"}')
+  return '; '.join(parts)
+
+
+def table(report_rows: list[dict]) -> str:
+  """A fixed-width text table of the rows."""
+  head = ('layer', 'einsum', 'sharded dims', 'collective', 'decision', 'step us (modeled)')
+  lines = [head]
+  for r in report_rows:
+    step = ('-' if r['modeled_step_compute_us'] is None else
+            f"{r['modeled_step_compute_us']:.1f} / {r['modeled_step_transfer_us']:.1f}")
+    lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], r['decision'],
+                  step))
+  widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
+  fmt = lambda l: '  '.join(str(c).ljust(w) for c, w in zip(l, widths)).rstrip()
+  return '\n'.join([fmt(lines[0]), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines[1:]])
+
+
+def write(path: str, report_rows: list[dict], policy: Any) -> None:
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump({'policy': vars(policy) if hasattr(policy, '__dict__') else str(policy),
+               'note': 'step times are modeled (parallelism/cost_model.py), not measured',
+               'layers': report_rows}, f, indent=1)
+    f.write('\n')
