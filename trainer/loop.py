@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +19,23 @@ from trainer import data, metrics as metrics_lib, optim, train as train_lib
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
-def train(run) -> dict:
-  """Trains ``run`` (a validated trainer.train.Run); returns the last eval record."""
-  cfg, mesh, rules = run.cfg, run.mesh, run.rules
-  is_main = jax.process_index() == 0
-  log = print if is_main else (lambda *a, **k: None)
-  last_step = cfg.stop_after or cfg.steps
+@dataclasses.dataclass
+class Setup:
+  """A run's sharded state, compiled-to-be steps and input functions."""
+  state: TrainState
+  train_step: Any          # jitted (state, batch) -> (state, metrics); donates state
+  eval_step: Any           # jitted (params, batch) -> sums
+  get_batch: Callable[[int], dict]
+  eval_batches: list
+  schedule: Any
+  ops: sharding.ShardedOps
+  graphdef: Any
+  abstract_params: Any
 
+
+def setup(run) -> Setup:
+  """Builds state abstractly, creates it sharded, and jits the steps."""
+  cfg, mesh, rules = run.cfg, run.mesh, run.rules
   # ---------------------------------------------------------------- model
   ops = sharding.ShardedOps(mesh, rules, train_lib.matmul_policy(cfg))
   make_model = lambda: Transformer(run.model_cfg, nnx.Rngs(cfg.seed), ops)
@@ -43,8 +55,7 @@ def train(run) -> dict:
 
   # ----------------------------------------------------------- input data
   batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(('batch', 'length'), rules))
-  shape = (cfg.batch_size, cfg.seq_len)
-  rows = data.local_rows(batch_sharding, shape)
+  rows = data.local_rows(batch_sharding, (cfg.batch_size, cfg.seq_len))
   get_batch = lambda step: data.to_global(
       data.train_rows(run.corpus, cfg.seed, step, cfg.batch_size, cfg.seq_len, rows),
       batch_sharding, cfg.batch_size)
@@ -59,29 +70,22 @@ def train(run) -> dict:
       donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(
       graphdef, data.BYTE_VOCAB if run.corpus.byte_level else None))
-  start = time.perf_counter()
-  train_step = train_step.lower(state, get_batch(0)).compile()
-  compile_s = time.perf_counter() - start
+  return Setup(state, train_step, eval_step, get_batch, eval_batches, schedule, ops,
+               graphdef, abstract_params)
 
-  # ---------------------------------------------------- what we will run
-  n_params = count_params(abstract_params)
-  flops_tok = metrics_lib.flops_per_token(run.model_cfg, cfg.seq_len)
-  peak, peak_source = hardware.peak_flops_per_device(
-      cfg.hardware.name, cfg.hardware.peak_flops, mesh.size)
-  log(f'data: {run.corpus.description}; {len(run.corpus.train):,} train / '
-      f'{len(run.corpus.eval):,} held-out tokens')
-  log(f'model: {n_params:,} parameters; mesh {mesh_lib.describe(mesh)} '
-      f'({jax.process_count()} process(es)); train step compiled in {compile_s:.1f}s')
-  log(f'{flops_tok / 1e6:.1f} MFLOP per token; peak {peak / 1e9:.2f} GFLOP/s per '
-      f'device ({peak_source})')
-  # Tracing the step recorded every dense layer's decision in `ops`.
-  layer_rows = report.rows(ops.decisions)
-  decomposed = sum(r['decision'] != 'none' for r in layer_rows)
-  log(f'parallelism: collective_matmul={ops.policy.collective_matmul}, '
-      f'{decomposed}/{len(layer_rows)} dense layers decomposed (step times modeled for '
-      f'{ops.policy.hardware})\n{report.table(layer_rows)}')
-  if is_main:
-    report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, ops.policy)
+
+def train(run) -> dict:
+  """Trains ``run`` (a validated trainer.train.Run); returns the last eval record."""
+  cfg, mesh = run.cfg, run.mesh
+  is_main = jax.process_index() == 0
+  log = print if is_main else (lambda *a, **k: None)
+  last_step = cfg.stop_after or cfg.steps
+  s = setup(run)
+  state, get_batch, schedule = s.state, s.get_batch, s.schedule
+  start = time.perf_counter()
+  train_step = s.train_step.lower(state, get_batch(0)).compile()
+  flops_tok, peak = _announce(run, s, time.perf_counter() - start, log,
+                              write_report=is_main)
 
   # ------------------------------------------------------------- the loop
   writer = metrics_lib.MetricsWriter(run.workdir, last_step, 0, enabled=is_main)
@@ -102,11 +106,35 @@ def train(run) -> dict:
                                        flops_tok, mesh.size, peak))
       window = []
     if (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step:
-      eval_record = _evaluate(eval_step, state.params, eval_batches)
+      eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
       writer.write(done, eval_record)
       tick = time.perf_counter()  # eval time is not training time
   writer.close()
   return eval_record
+
+
+def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
+  """Prints what will run and writes the parallelism report; returns FLOP numbers."""
+  cfg, mesh, ops = run.cfg, run.mesh, s.ops
+  flops_tok = metrics_lib.flops_per_token(run.model_cfg, cfg.seq_len)
+  peak, peak_source = hardware.peak_flops_per_device(
+      cfg.hardware.name, cfg.hardware.peak_flops, mesh.size)
+  log(f'data: {run.corpus.description}; {len(run.corpus.train):,} train / '
+      f'{len(run.corpus.eval):,} held-out tokens')
+  log(f'model: {count_params(s.abstract_params):,} parameters; mesh '
+      f'{mesh_lib.describe(mesh)} ({jax.process_count()} process(es)); train step '
+      f'compiled in {compile_s:.1f}s')
+  log(f'{flops_tok / 1e6:.1f} MFLOP per token; peak {peak / 1e9:.2f} GFLOP/s per '
+      f'device ({peak_source})')
+  # Tracing the step recorded every dense layer's decision in `ops`.
+  layer_rows = report.rows(ops.decisions)
+  decomposed = sum(r['decision'] != 'none' for r in layer_rows)
+  log(f'parallelism: collective_matmul={ops.policy.collective_matmul}, '
+      f'{decomposed}/{len(layer_rows)} dense layers decomposed (step times modeled for '
+      f'{ops.policy.hardware})\n{report.table(layer_rows)}')
+  if write_report:
+    report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, ops.policy)
+  return flops_tok, peak
 
 
 def _train_record(window, lr, tokens_per_step, flops_tok, num_devices, peak) -> dict:

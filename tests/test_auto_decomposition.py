@@ -1,0 +1,86 @@
+"""The parallelism layer decomposes the model's dense layers by itself."""
+
+import argparse
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests import hlo_utils
+from tests.test_cli import DEFAULT, TINY
+from trainer import loop, step, train
+
+
+def _run(workdir, *overrides):
+  args = argparse.Namespace(config=DEFAULT, workdir=str(workdir))
+  run = train.prepare(args, TINY + ['--config.model.num_layers=2', *overrides])
+  train.start_workdir(run, writer_enabled=True)
+  return run
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [r['loss'] for r in map(json.loads, f) if 'loss' in r]
+
+
+@pytest.mark.parametrize('layout', [[], ['--config.model.scan_layers=true',
+                                         '--config.model.remat=full']],
+                         ids=['layers', 'scanned+remat'])
+def test_always_trains_like_never(tmp_path, layout):
+  steps = 20 if not layout else 5
+  common = [f'--config.steps={steps}', '--config.log_every=1', '--config.eval_every=0', *layout]
+  losses = {}
+  for policy in ('never', 'always'):
+    run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}', *common)
+    loop.train(run)
+    losses[policy] = _losses(run.workdir)
+  assert len(losses['always']) == steps
+  np.testing.assert_allclose(losses['always'], losses['never'], rtol=1e-4)
+  with open(tmp_path / 'always' / 'parallelism_report.json') as f:
+    rows = json.load(f)['layers']
+  decomposed = {r['path'] for r in rows if r['decision'] == 'unidirectional'}
+  prefix = 'blocks.*' if layout else 'blocks.1'
+  assert {f'{prefix}.mlp.gate', f'{prefix}.mlp.down', f'{prefix}.attn.q',
+          f'{prefix}.attn.o', 'unembed'} <= decomposed
+
+
+@pytest.fixture(scope='module')
+def setups(tmp_path_factory):
+  out = {}
+  for policy in ('never', 'always'):
+    run = _run(tmp_path_factory.mktemp(policy), f'--config.parallelism.collective_matmul={policy}')
+    out[policy] = (run, loop.setup(run))
+  return out
+
+
+def test_gradients_agree_at_step_0(setups):
+  grads = {}
+  for policy, (_, s) in setups.items():
+    batch = s.get_batch(0)
+
+    def loss(params, s=s, batch=batch):
+      logits = nnx.merge(s.graphdef, params)(batch['inputs'], batch['positions'],
+                                             batch['segments'])
+      return step.cross_entropy(logits, batch['targets'], 0.0)[0]
+
+    grads[policy] = jax.jit(jax.grad(loss))(s.state.params)
+  for a, b in zip(jax.tree.leaves(grads['always']), jax.tree.leaves(grads['never'])):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12
+
+
+def test_compiled_step_has_no_tensor_collective_in_decomposed_layers(setups):
+  run, s = setups['always']
+  s.train_step.lower(s.state, s.get_batch(0))  # tracing records every layer's decision
+  layers = [p for p, (d, _) in s.ops.decisions.items() if d.mode != 'none']
+  assert len(layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block, and unembed
+  in_layers = lambda name: any(f'({p})' in name or f'/{p}/' in name for p in layers)
+  found = {}
+  for policy, (run, s) in setups.items():
+    hlo = s.train_step.lower(s.state, s.get_batch(0)).compile().as_text()
+    found[policy] = hlo_utils.collectives_over(hlo, run.mesh, 'tensor', in_layers)
+  assert found['never'], 'the plain step must need tensor collectives in these layers'
+  assert not found['always'], found['always']
