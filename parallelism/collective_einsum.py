@@ -210,7 +210,14 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   n = cfg.mesh.shape[cfg.axis]
   split = ring.ring_split(n, cfg.bidirectional)
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
-  body = functools.partial(_local, eq, plan, n, split, cfg.unroll, dtype)
+  # XLA's in-process CPU collectives can fail when one collective-permute runs
+  # again right away, as in a loop: a device that is fast re-enters the
+  # rendezvous of the previous step before the slow ones have left it ("Check
+  # failed: state.use_count() == num_threads (9 vs. 8)", seen with 8 fake
+  # devices). On CPU the ring is therefore fully unrolled, so every step has
+  # its own ops; other backends keep the loop and ``unroll``.
+  unroll = True if cfg.mesh.devices.flat[0].platform == 'cpu' else cfg.unroll
+  body = functools.partial(_local, eq, plan, n, split, unroll, dtype)
   direction = 'bidirectional' if cfg.bidirectional else 'unidirectional'
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):

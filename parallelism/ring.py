@@ -44,10 +44,12 @@ def recv_from(x: jax.Array, axis: str, n: int, offset: int) -> jax.Array:
   return jax.lax.ppermute(x, axis, [((j + offset) % n, j) for j in range(n)])
 
 
-def _loop(lo: int, hi: int, body, carry, unroll: int):
+def _loop(lo: int, hi: int, body, carry, unroll: int | bool):
+  """``fori_loop`` over ring steps; ``unroll=True`` gives every step its own ops."""
   if hi <= lo:
     return carry
-  return jax.lax.fori_loop(lo, hi, body, carry, unroll=min(unroll, hi - lo))
+  return jax.lax.fori_loop(lo, hi, body, carry,
+                           unroll=True if unroll is True else min(unroll, hi - lo))
 
 
 def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n: int,

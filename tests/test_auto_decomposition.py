@@ -66,7 +66,7 @@ def test_gradients_agree_at_step_0(setups):
                                              batch['segments'])
       return step.cross_entropy(logits, batch['targets'], 0.0)[0]
 
-    grads[policy] = jax.jit(jax.grad(loss))(s.state.params)
+    grads[policy] = jax.block_until_ready(jax.jit(jax.grad(loss))(s.state.params))
   for a, b in zip(jax.tree.leaves(grads['always']), jax.tree.leaves(grads['never'])):
     a, b = np.asarray(a), np.asarray(b)
     assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12

@@ -51,7 +51,8 @@ def setup(run) -> Setup:
   specs = sharding.state_specs(abstract_state, rules)
   sharding.check_divisible(abstract_params, specs.params, mesh)
   state_sharding = sharding.named(mesh, specs)
-  state = jax.jit(init, out_shardings=state_sharding)()
+  # Wait for it: one sharded computation in flight at a time (see train()).
+  state = jax.block_until_ready(jax.jit(init, out_shardings=state_sharding)())
 
   # ----------------------------------------------------------- input data
   batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(('batch', 'length'), rules))
