@@ -206,7 +206,7 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
   plan = next(p for p in plans if p.axis == cfg.axis)
   only = lambda spec: PartitionSpec(*[
-      cfg.axis if cfg.axis in einsum_plan._axes_of(e) else None for e in spec])
+      cfg.axis if cfg.axis in einsum_plan.axes_of(e) else None for e in spec])
   n = cfg.mesh.shape[cfg.axis]
   split = ring.ring_split(n, cfg.bidirectional)
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)

@@ -57,7 +57,7 @@ class Equation:
     return (set(self.lhs) & set(self.rhs)) - set(self.out)
 
 
-def _axes_of(spec_entry: Any) -> tuple[str, ...]:
+def axes_of(spec_entry: Any) -> tuple[str, ...]:
   if spec_entry is None:
     return ()
   return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
@@ -68,7 +68,7 @@ def letter_axes(letters: str, spec: PartitionSpec) -> dict[str, tuple[str, ...]]
   if len(spec) > len(letters):
     raise ValueError(f'PartitionSpec {spec} has more entries than dims {letters!r}')
   entries = tuple(spec) + (None,) * (len(letters) - len(spec))
-  return {l: _axes_of(e) for l, e in zip(letters, entries)}
+  return {l: axes_of(e) for l, e in zip(letters, entries)}
 
 
 def _where(axis: str, axes_by_letter: dict[str, tuple[str, ...]]) -> list[str]:

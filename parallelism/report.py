@@ -5,6 +5,7 @@ parallelism/cost_model.py, not measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -57,7 +58,7 @@ def table(report_rows: list[dict]) -> str:
 
 def write(path: str, report_rows: list[dict], policy: Any) -> None:
   with open(path, 'w', encoding='utf-8') as f:
-    json.dump({'policy': vars(policy) if hasattr(policy, '__dict__') else str(policy),
+    json.dump({'policy': dataclasses.asdict(policy),
                'note': 'step times are modeled (parallelism/cost_model.py), not measured',
                'layers': report_rows}, f, indent=1)
     f.write('\n')

@@ -60,3 +60,17 @@ def collectives_over(hlo: str, mesh, axis: str, op_name_filter=None) -> list[str
         found.append(line.split('=')[0].strip())
         break
   return found
+
+
+def permute_offsets(hlo: str, mesh, axis: str) -> list[int]:
+  """For each collective-permute: how far along ``axis`` its data moves (mod size)."""
+  coords = {d.id: idx for idx, d in np.ndenumerate(mesh.devices)}
+  which, n = list(mesh.axis_names).index(axis), mesh.shape[axis]
+  offsets = []
+  for line in hlo.splitlines():
+    if not re.search(r'collective-permute(-start)?\(', line):
+      continue
+    pairs = re.search(r'source_target_pairs=\{(.*?)\}\}', line).group(1)
+    src, dst = _ints(pairs.split('}')[0])[:2]
+    offsets.append((coords[dst][which] - coords[src][which]) % n)
+  return offsets

@@ -11,6 +11,7 @@ from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallelism import cost_model, einsum_plan, mesh as mesh_lib
+from tests import hlo_utils
 from parallelism.collective_einsum import collective_einsum, explain
 
 T, D = 'tensor', 'data'
@@ -152,6 +153,10 @@ def test_hlo_has_no_collective_over_the_decomposed_axis(pattern):
       else:
         assert sum(_collectives(hlo).values()) == 0, _collectives(hlo)
         assert _executed_permutes(hlo) == steps
+    if mode != 'none':  # sequential steps: the longer of the two ring directions
+      offsets = hlo_utils.permute_offsets(hlos[0], mesh, T)
+      rounds = max(offsets.count(1), offsets.count(n - 1))
+      assert rounds == (n - 1 if mode == 'unidirectional' else -(-(n - 1) // 2)), offsets
 
 
 def test_bidirectional_halves_the_sequential_steps():
