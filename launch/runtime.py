@@ -37,8 +37,15 @@ def add_xla_flags(flags=XLA_CPU_FLAGS) -> None:
   os.environ['XLA_FLAGS'] = ' '.join([current] + extra).strip()
 
 
-def configure_host(cpu_devices: int, cache_dir: str | None = None) -> None:
-  """Must run before the first JAX computation of the process."""
+def configure_host(cpu_devices: int, cache_dir: str | None = None,
+                   cpu_only: bool = False) -> None:
+  """Must run before the first JAX computation of the process.
+
+  ``cpu_only`` defaults JAX_PLATFORMS to ``cpu`` (unless set): with the ``tpu``
+  extra installed, JAX otherwise first tries to open a TPU on a CPU machine.
+  """
+  if cpu_only:
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   add_xla_flags()
   import jax  # pylint: disable=g-import-not-at-top
   if jax.config.jax_num_cpu_devices != cpu_devices:  # settable only before JAX starts

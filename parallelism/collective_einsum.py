@@ -114,7 +114,7 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     equation: e.g. ``"btd,df->btf"``.
     lhs, rhs: global arrays laid out as ``lhs_spec`` / ``rhs_spec`` (resharded
       to them if they are not).
-    mesh: the device mesh.
+    mesh: the device mesh; all axes Auto (an Explicit axis raises ValueError).
     lhs_spec, rhs_spec, out_spec: PartitionSpecs over ``mesh``.
     mode: ``none`` (plain einsum; the compiler inserts the collective),
       ``unidirectional``, ``bidirectional``, or ``auto`` (the cost model picks).
@@ -127,6 +127,11 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
   """
   if unroll not in (1, 2):
     raise ValueError(f'unroll={unroll} is not 1 or 2')
+  explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
+              if t != jax.sharding.AxisType.Auto]
+  if explicit:  # operands are resharded with constraints, which need Auto axes
+    raise ValueError(f'collective_einsum needs a mesh whose axes are all Auto; {explicit} '
+                     'are not (parallelism.mesh.make_mesh builds Auto meshes)')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   decision = explain(equation, lhs.shape, rhs.shape, dtype, mesh=mesh, lhs_spec=lhs_spec,
                      rhs_spec=rhs_spec, out_spec=out_spec, mode=mode, hardware=hardware)

@@ -183,6 +183,20 @@ def test_explicit_mode_rejects_unsupported_specs():
   assert d.mode == 'none' and 'all-reduce' in d.reason
 
 
+def test_inputs_are_resharded_and_explicit_meshes_refused(devices):
+  mesh = _mesh(4)
+  x = jax.random.normal(jax.random.key(0), (8, 8))  # on one device, not as lhs_spec says
+  w = jax.random.normal(jax.random.key(1), (8, 8))
+  out = collective_einsum('bd,df->bf', x, w, mesh=mesh, lhs_spec=P(T, None),
+                          rhs_spec=P(None, T), out_spec=P(None, T), mode='unidirectional')
+  assert _rel(out, x @ w) < 1e-5 and out.sharding.spec == P(None, T)
+  explicit = jax.make_mesh((2, 4), (D, T), devices=devices,
+                           axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with pytest.raises(ValueError, match=r"needs a mesh whose axes are all Auto; \['data', 'tensor'\]"):
+    collective_einsum('bd,df->bf', x, w, mesh=explicit, lhs_spec=P(T, None),
+                      rhs_spec=P(None, T), out_spec=P(None, T))
+
+
 def test_two_axes_decompose_tensor_and_leave_the_other():
   mesh = _mesh(4, data=1)  # fsdp=2
   eq = 'bd,df->bf'

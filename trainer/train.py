@@ -55,7 +55,8 @@ def prepare(args, overrides) -> Run:
 def _prepare(cfg, args) -> Run:
   from launch import runtime  # pylint: disable=g-import-not-at-top
   _check_run_lengths(cfg)
-  runtime.configure_host(runtime.cpu_device_count(cfg.hardware.cpu_devices))
+  runtime.configure_host(runtime.cpu_device_count(cfg.hardware.cpu_devices),
+                         cpu_only=cfg.hardware.name == 'cpu')
   from models.transformer import TransformerConfig  # pylint: disable=g-import-not-at-top
   from parallelism import hardware, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from trainer import data  # pylint: disable=g-import-not-at-top
