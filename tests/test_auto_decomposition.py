@@ -27,8 +27,9 @@ def _losses(workdir):
 
 
 @pytest.mark.parametrize('layout', [[], ['--config.model.scan_layers=true',
-                                         '--config.model.remat=full']],
-                         ids=['layers', 'scanned+remat'])
+                                         '--config.model.remat=full'],
+                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2']],
+                         ids=['layers', 'scanned+remat', 'fsdp+tensor'])
 def test_always_trains_like_never(tmp_path, layout):
   steps = 20 if not layout else 5
   common = [f'--config.steps={steps}', '--config.log_every=1', '--config.eval_every=0', *layout]
@@ -42,7 +43,7 @@ def test_always_trains_like_never(tmp_path, layout):
   with open(tmp_path / 'always' / 'parallelism_report.json') as f:
     rows = json.load(f)['layers']
   decomposed = {r['path'] for r in rows if r['decision'] == 'unidirectional'}
-  prefix = 'blocks.*' if layout else 'blocks.1'
+  prefix = 'blocks.*' if '--config.model.scan_layers=true' in layout else 'blocks.1'
   assert {f'{prefix}.mlp.gate', f'{prefix}.mlp.down', f'{prefix}.attn.q',
           f'{prefix}.attn.o', 'unembed'} <= decomposed
 
