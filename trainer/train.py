@@ -5,7 +5,8 @@ r"""Trains a Transformer LM from a config file.
 
 Outputs in the workdir (default ``runs/<config name>``): ``config.json`` (the
 resolved config), ``metrics.jsonl`` (one JSON object per logged step and per
-eval) and TensorBoard event files in ``tb/``. Bad input exits with status 2
+eval), TensorBoard event files in ``tb/`` and ``parallelism_report.json`` (what
+the parallelism layer decided for every dense layer). Bad input exits with status 2
 and a one-line message before anything is compiled or written.
 """
 
