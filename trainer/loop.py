@@ -98,9 +98,7 @@ def train(run) -> dict:
     # Waiting for every step keeps at most one sharded step in flight: queuing
     # several has deadlocked XLA's CPU collectives with many fake devices.
     out = jax.device_get(out)
-    now = time.perf_counter()
-    window.append((out, now - tick))
-    tick = now
+    window.append((out, time.perf_counter() - tick))
     done = step + 1
     if done % cfg.log_every == 0 or done == last_step:
       writer.write(done, _train_record(window, schedule(step), tokens_per_step,
@@ -109,7 +107,7 @@ def train(run) -> dict:
     if (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step:
       eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
       writer.write(done, eval_record)
-      tick = time.perf_counter()  # eval time is not training time
+    tick = time.perf_counter()  # logging and eval time is not step time
   writer.close()
   return eval_record
 
