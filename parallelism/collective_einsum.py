@@ -135,12 +135,21 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   decision = explain(equation, lhs.shape, rhs.shape, dtype, mesh=mesh, lhs_spec=lhs_spec,
                      rhs_spec=rhs_spec, out_spec=out_spec, mode=mode, hardware=hardware)
+  return run_decision(decision, lhs, rhs, mesh=mesh, lhs_spec=lhs_spec, rhs_spec=rhs_spec,
+                      out_spec=out_spec, unroll=unroll)
+
+
+def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_spec,
+                 unroll: int = 1) -> jax.Array:
+  """Computes the einsum as ``decision`` (from ``explain``) says."""
+  dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
   if decision.mode == 'none':
-    out = jnp.einsum(equation, lhs, rhs, preferred_element_type=_acc(dtype)).astype(dtype)
+    out = jnp.einsum(decision.equation, lhs, rhs,
+                     preferred_element_type=_acc(dtype)).astype(dtype)
   else:
-    cfg = _Static(str(Equation.parse(equation)), mesh, PartitionSpec(*lhs_spec),
+    cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
                   decision.mode == 'bidirectional', unroll)
     out = _decomposed(cfg, lhs, rhs)
@@ -194,10 +203,14 @@ def _decomposed_bwd(cfg, residuals, g):
 _decomposed.defvjp(_decomposed_fwd, _decomposed_bwd)
 
 
+def _axis_plan(cfg: _Static) -> tuple[Equation, AxisPlan]:
+  eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  return eq, next(p for p in plans if p.axis == cfg.axis)
+
+
 def _transpose_einsum(cfg: _Static, a, b, dtype):
   """A gradient einsum, decomposed over the same axis when its pattern allows."""
-  eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  plan = next(p for p in plans if p.axis == cfg.axis)
+  eq, plan = _axis_plan(cfg)
   if plan.kind in DECOMPOSABLE:
     out = _ring_einsum(cfg, a, b)
   else:  # e.g. an all-reduce: the compiler's collective
@@ -208,8 +221,7 @@ def _transpose_einsum(cfg: _Static, a, b, dtype):
 
 def _ring_einsum(cfg: _Static, lhs, rhs):
   """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` only."""
-  eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  plan = next(p for p in plans if p.axis == cfg.axis)
+  eq, plan = _axis_plan(cfg)
   only = lambda spec: PartitionSpec(*[
       cfg.axis if cfg.axis in einsum_plan.axes_of(e) else None for e in spec])
   n = cfg.mesh.shape[cfg.axis]
@@ -237,15 +249,15 @@ def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, ids,
   """Per-device body: blocks along ``plan.axis`` are local, other axes global."""
   axis, acc_dtype, idx = plan.axis, _acc(dtype), ids[0]
   if plan.kind == 'reducescatter':
-    z = plan.out_letter
-    owner, owner_letters = ('lhs', eq.lhs) if z in eq.lhs else ('rhs', eq.rhs)
-    dim, block = owner_letters.index(z), (lhs if owner == 'lhs' else rhs).shape[
-        owner_letters.index(z)] // n
+    z = plan.out_letter  # the scattered output dim, whole in its operand
+    on_lhs = z in eq.lhs
+    owner = lhs if on_lhs else rhs
+    dim = (eq.lhs if on_lhs else eq.rhs).index(z)
+    block = owner.shape[dim] // n
 
     def partial(k):
-      piece = jax.lax.dynamic_slice_in_dim(lhs if owner == 'lhs' else rhs, k * block,
-                                           block, dim)
-      args = (piece, rhs) if owner == 'lhs' else (lhs, piece)
+      piece = jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
+      args = (piece, rhs) if on_lhs else (lhs, piece)
       return jnp.einsum(str(eq), *args, preferred_element_type=acc_dtype)
 
     return ring.reduce_scatter_einsum(partial, axis=axis, n=n, idx=idx, split=split,

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.ops import Axes, Ops
-from parallelism.collective_einsum import collective_einsum, explain
+from parallelism.collective_einsum import explain, run_decision
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -113,6 +113,12 @@ class MatmulPolicy:
   unroll: int = 1                       # ring steps per loop iteration: 1 | 2
   hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
 
+  @classmethod
+  def from_config(cls, cfg: Any) -> 'MatmulPolicy':
+    """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
+    p = cfg.parallelism
+    return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name)
+
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
                'direction': ('unidirectional', 'bidirectional'), 'unroll': (1, 2)}
@@ -148,10 +154,8 @@ class ShardedOps(Ops):
     decision = self._decide(equation, x, w, specs)
     self.decisions[name] = (decision, specs)
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
-      return collective_einsum(
-          equation, x, w, mesh=self.mesh, lhs_spec=specs[0], rhs_spec=specs[1],
-          out_spec=specs[2], mode=decision.mode, unroll=self.policy.unroll,
-          hardware=self.policy.hardware)
+      return run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
+                          rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll)
 
   def _decide(self, equation, x, w, specs):
     decide = lambda mode: explain(

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from models.transformer import Transformer, count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding
-from trainer import data, metrics as metrics_lib, optim, train as train_lib
+from trainer import data, metrics as metrics_lib, optim
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
@@ -37,7 +37,7 @@ def setup(run) -> Setup:
   """Builds state abstractly, creates it sharded, and jits the steps."""
   cfg, mesh, rules = run.cfg, run.mesh, run.rules
   # ---------------------------------------------------------------- model
-  ops = sharding.ShardedOps(mesh, rules, train_lib.matmul_policy(cfg))
+  ops = sharding.ShardedOps(mesh, rules, sharding.MatmulPolicy.from_config(cfg))
   make_model = lambda: Transformer(run.model_cfg, nnx.Rngs(cfg.seed), ops)
   graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
   tx, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)

@@ -64,7 +64,7 @@ def _prepare(cfg, args) -> Run:
   model_cfg = TransformerConfig.from_config(cfg.model)
   model_cfg.validate()
   hardware.get_profile(cfg.hardware.name)
-  matmul_policy(cfg).validate()
+  sharding.MatmulPolicy.from_config(cfg).validate()
   if cfg.seq_len > model_cfg.max_seq_len:
     raise ValueError(f'seq_len={cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}')
   corpus = data.load_corpus(cfg.data, model_cfg.vocab_size, cfg.seed)
@@ -79,13 +79,6 @@ def _prepare(cfg, args) -> Run:
   workdir = args.workdir or os.path.join('runs', os.path.splitext(
       os.path.basename(args.config.partition(':')[0]))[0])
   return Run(cfg, workdir, mesh, rules, model_cfg, corpus)
-
-
-def matmul_policy(cfg):
-  """The ``parallelism.*`` settings, with the hardware profile the cost model uses."""
-  from parallelism import sharding  # pylint: disable=g-import-not-at-top
-  p = cfg.parallelism
-  return sharding.MatmulPolicy(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name)
 
 
 def _check_run_lengths(cfg) -> None:
