@@ -22,9 +22,12 @@ setup(
         'numpy==2.4.6',
         'tensorboardX==2.6.5',   # TensorBoard event files without TensorFlow
         'protobuf==7.36.2',
+        'safetensors==0.8.0',    # Hugging Face weights, read without pickle
     ],
     extras_require={
-        'test': ['pytest==9.2.0', 'hypothesis==6.170.17'],
+        'test': ['pytest==9.2.0', 'hypothesis==6.170.17',
+                 # reference Llama for the Hugging Face import check (CPU torch)
+                 'torch==2.13.0', 'transformers==5.24.0'],
         'tpu': ['libtpu==0.0.42.*'],  # ahead-of-time TPU compilation (matches jax 0.10.2)
     },
 )
