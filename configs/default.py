@@ -28,6 +28,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every = 10            # steps between metric records
   c.eval_every = 100          # steps between evals (and an eval at the end)
   c.eval_steps = 8            # eval on this many fixed held-out batches
+  c.init_from = ''            # checkpoint to take parameters from (fine-tuning); '' none
+  c.on_nonfinite = 'stop'     # loss or grad norm NaN/inf: stop (exit 3) | skip (drop the update)
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 264        # 256 bytes + specials, padded to a multiple of 8
@@ -92,9 +94,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.direction = 'unidirectional'    # ring direction under 'always'
   c.parallelism.unroll = 1                      # ring steps per loop iteration: 1 | 2
 
+  # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
+  # has some resumes from the newest complete one (see trainer/checkpoint.py).
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 0      # steps between checkpoints (0: none yet)
-  c.checkpoint.keep = 3       # most recent checkpoints kept
+  c.checkpoint.every = 100        # steps between saves, plus one at the end and on SIGTERM (0: off)
+  c.checkpoint.keep = 3           # most recent checkpoints kept
+  c.checkpoint.keep_period = 0    # also keep every step divisible by this (0: none)
+  c.checkpoint.async_save = True  # write in the background while training goes on
+  c.checkpoint.on_corrupt = 'error'  # error | previous: resume from the newest readable one
 
   c.hardware = ml_collections.ConfigDict()
   c.hardware.name = 'cpu'         # profile: cpu | tpu_v4 | tpu_v5p | h100 | h200

@@ -74,8 +74,8 @@ def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
   def one(x):
     bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
     u = jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
-    index = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0)
-    for axis in range(1, x.ndim):  # row-major position, wrapping at 2**32
+    index = jnp.zeros(x.shape, jnp.uint32)
+    for axis in range(x.ndim):  # row-major position, wrapping at 2**32
       index = index * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(
           jnp.uint32, x.shape, axis)
     return jnp.sum(u * (index * jnp.uint32(2654435761) + 1), dtype=jnp.uint32)
@@ -259,7 +259,7 @@ def restore_params(path: str, abstract_params, model_meta: dict | None = None):
   directory, step = resolve(path)
   meta = read_meta(directory, step)
   wanted = flatten(abstract_params)
-  diff = differences({k: v for k, v in meta['arrays'].items() if not _is_opt(k)},
+  diff = differences({k: v for k, v in meta['arrays'].items() if not is_optimizer(k)},
                      describe(wanted))
   if diff:
     more = f'; and {len(diff) - 20} more' if len(diff) > 20 else ''
@@ -273,7 +273,8 @@ def restore_params(path: str, abstract_params, model_meta: dict | None = None):
   return unflatten(abstract_params, flat)
 
 
-def _is_opt(name: str) -> bool:
+def is_optimizer(name: str) -> bool:
+  """Whether a stored name belongs to the optimizer item (step, optimizer state)."""
   return name == 'step' or name.startswith('opt.')
 
 
@@ -299,13 +300,16 @@ def read_params(path: str) -> tuple[dict, dict[str, np.ndarray]]:
   directory, step = resolve(path)
   meta = read_meta(directory, step)
   where = os.path.join(directory, str(step))
+  as_numpy = {k: ocp.RestoreArgs(restore_type=np.ndarray)
+              for k in meta['arrays'] if not is_optimizer(k)}
   with ocp.CheckpointManager(directory, item_names=('params',),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
     try:
       flat = mngr.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore())).params
+          params=ocp.args.PyTreeRestore(restore_args=as_numpy))).params
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'checkpoint {where} is unreadable ({type(e).__name__})') from None
+      raise CheckpointError(f'checkpoint {where} is unreadable ({type(e).__name__}: '
+                            f'{str(e).splitlines()[0][:200]})') from None
   _verify({k: jnp.asarray(v) for k, v in flat.items()}, meta, where)
   nested: dict = {}
   for name, value in flat.items():

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -15,14 +19,23 @@ from jax.sharding import NamedSharding
 
 from models.transformer import Transformer, count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding
-from trainer import data, metrics as metrics_lib, optim
+from trainer import checkpoint, data, metrics as metrics_lib, optim
 from trainer.step import TrainState, make_eval_step, make_train_step
+
+
+class Stopped(Exception):
+  """The run ended before ``steps``: preempted (SIGTERM) or a non-finite loss."""
+
+  def __init__(self, message: str, exit_code: int):
+    super().__init__(message)
+    self.exit_code = exit_code
 
 
 @dataclasses.dataclass
 class Setup:
   """A run's sharded state, compiled-to-be steps and input functions."""
   state: TrainState
+  start_step: int          # the step ``state`` is at (0, or the resumed checkpoint's)
   train_step: Any          # jitted (state, batch) -> (state, metrics); donates state
   eval_step: Any           # jitted (params, batch) -> sums
   get_batch: Callable[[int], dict]
@@ -33,8 +46,8 @@ class Setup:
   abstract_params: Any
 
 
-def setup(run) -> Setup:
-  """Builds state abstractly, creates it sharded, and jits the steps."""
+def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
+  """Builds state abstractly, then creates, resumes or fine-tunes it sharded; jits the steps."""
   cfg, mesh, rules = run.cfg, run.mesh, run.rules
   # ---------------------------------------------------------------- model
   ops = sharding.ShardedOps(mesh, rules, sharding.MatmulPolicy.from_config(cfg))
@@ -51,8 +64,9 @@ def setup(run) -> Setup:
   specs = sharding.state_specs(abstract_state, rules)
   sharding.check_divisible(abstract_params, specs.params, mesh)
   state_sharding = sharding.named(mesh, specs)
-  # Wait for it: one sharded computation in flight at a time (see train()).
-  state = jax.block_until_ready(jax.jit(init, out_shardings=state_sharding)())
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_state, state_sharding)
+  state, start_step = _initial_state(run, checkpointer, target, init, tx, state_sharding)
 
   # ----------------------------------------------------------- input data
   batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(('batch', 'length'), rules))
@@ -66,50 +80,137 @@ def setup(run) -> Setup:
 
   # ------------------------------------------------------------ the steps
   train_step = jax.jit(
-      make_train_step(graphdef, tx, cfg.optimizer.z_loss, cfg.optimizer.grad_accum_steps),
+      make_train_step(graphdef, tx, cfg.optimizer.z_loss, cfg.optimizer.grad_accum_steps,
+                      skip_nonfinite=cfg.on_nonfinite == 'skip'),
       in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
       donate_argnums=(0,))
   eval_step = jax.jit(make_eval_step(
       graphdef, data.BYTE_VOCAB if run.corpus.byte_level else None))
-  return Setup(state, train_step, eval_step, get_batch, eval_batches, schedule, ops,
-               graphdef, abstract_params)
+  return Setup(state, start_step, train_step, eval_step, get_batch, eval_batches, schedule,
+               ops, graphdef, abstract_params)
+
+
+def _initial_state(run, checkpointer, target, init, tx, state_sharding):
+  """(state, step): resumed from the run's checkpoints, else fresh (params maybe loaded)."""
+  log = print if jax.process_index() == 0 else (lambda *a, **k: None)
+  # Every branch waits: one sharded computation in flight at a time (see train()).
+  if checkpointer is not None and checkpointer.steps():
+    state, step = checkpointer.restore(target)
+    log(f'resuming from step {step} ({os.path.join(checkpointer.directory, str(step))})'
+        + ('; init_from is ignored' if run.cfg.init_from else ''))
+    return jax.block_until_ready(state), step
+  if run.cfg.init_from:
+    params = checkpoint.restore_params(run.cfg.init_from, target.params)
+    log(f'parameters loaded from {run.cfg.init_from} (optimizer state and step start fresh)')
+    fresh = lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p))
+    return jax.block_until_ready(jax.jit(fresh, out_shardings=state_sharding,
+                                         donate_argnums=(0,))(params)), 0
+  return jax.block_until_ready(jax.jit(init, out_shardings=state_sharding)()), 0
 
 
 def train(run) -> dict:
-  """Trains ``run`` (a validated trainer.train.Run); returns the last eval record."""
-  cfg, mesh = run.cfg, run.mesh
+  """Trains ``run`` (a validated trainer.train.Run); returns the last eval record.
+
+  Raises Stopped when the run ends early (preemption, non-finite loss) after
+  saving what can be saved.
+  """
+  cfg = run.cfg
   is_main = jax.process_index() == 0
   log = print if is_main else (lambda *a, **k: None)
-  last_step = cfg.stop_after or cfg.steps
-  s = setup(run)
-  state, get_batch, schedule = s.state, s.get_batch, s.schedule
-  start = time.perf_counter()
-  train_step = s.train_step.lower(state, get_batch(0)).compile()
-  flops_tok, peak = _announce(run, s, time.perf_counter() - start, log,
-                              write_report=is_main)
+  policy = checkpoint.Policy.from_config(cfg.checkpoint)
+  ckpt = checkpoint.Checkpointer(run.workdir, policy)
+  try:
+    s = setup(run, ckpt)
+    start = time.perf_counter()
+    train_step = s.train_step.lower(s.state, s.get_batch(s.start_step)).compile()
+    flops_tok, peak = _announce(run, s, time.perf_counter() - start, log,
+                                write_report=is_main)
+    if is_main:
+      metrics_lib.trim(run.workdir, s.start_step)
+    with _preemption_signal() as preempted:
+      return _loop(run, s, train_step, ckpt, policy, preempted, (flops_tok, peak), log)
+  finally:
+    ckpt.wait()
+    ckpt.close()
 
-  # ------------------------------------------------------------- the loop
-  writer = metrics_lib.MetricsWriter(run.workdir, last_step, 0, enabled=is_main)
+
+def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log) -> dict:
+  cfg, mesh = run.cfg, run.mesh
+  last_step = cfg.stop_after or cfg.steps
+  writer = metrics_lib.MetricsWriter(run.workdir, last_step, s.start_step,
+                                     enabled=jax.process_index() == 0)
+  meta = checkpoint_meta(run)
   tokens_per_step = cfg.batch_size * cfg.seq_len
-  window, eval_record = [], {}
+  state, window, eval_record = s.state, [], {}
   tick = time.perf_counter()
-  for step in range(last_step):
-    state, out = train_step(state, get_batch(step))
-    # Waiting for every step keeps at most one sharded step in flight: queuing
-    # several has deadlocked XLA's CPU collectives with many fake devices.
-    out = jax.device_get(out)
-    window.append((out, time.perf_counter() - tick))
-    done = step + 1
-    if done % cfg.log_every == 0 or done == last_step:
-      writer.write(done, _train_record(window, schedule(step), tokens_per_step,
-                                       flops_tok, mesh.size, peak))
-      window = []
-    if (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step:
-      eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
-      writer.write(done, eval_record)
-    tick = time.perf_counter()  # logging and eval time is not step time
-  writer.close()
+  try:
+    for step in range(s.start_step, last_step):
+      state, out = train_step(state, s.get_batch(step))
+      # Waiting for every step keeps at most one sharded step in flight: queuing
+      # several has deadlocked XLA's CPU collectives with many fake devices.
+      out = jax.device_get(out)
+      window.append((out, time.perf_counter() - tick))
+      done = step + 1
+      _check_finite(out, done, cfg.on_nonfinite, ckpt)
+      if done % cfg.log_every == 0 or done == last_step:
+        writer.write(done, _train_record(window, s.schedule(step), tokens_per_step, *flops,
+                                         mesh.size))
+        window = []
+      if (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step:
+        eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
+        writer.write(done, eval_record)
+      if policy.every and (done % policy.every == 0 or done == last_step or preempted()):
+        ckpt.save(state, meta)
+        log(f'checkpoint {done}: saving to {ckpt.directory}'
+            + (' in the background' if policy.async_save else ''))
+      if preempted():
+        ckpt.wait()
+        raise Stopped(f'stopped by SIGTERM after step {done}' + (
+            '; checkpoint saved: run the same command to resume' if policy.every else
+            '; checkpointing is off (checkpoint.every=0), nothing saved'), 143)
+      tick = time.perf_counter()  # logging, eval and saving are not step time
+  finally:
+    writer.close()
+  if cfg.stop_after and cfg.stop_after < cfg.steps:
+    log(f'stopped after step {cfg.stop_after} of {cfg.steps} (stop_after); run the same '
+        'command without stop_after to continue')
   return eval_record
+
+
+def checkpoint_meta(run) -> dict:
+  """What a checkpoint records besides arrays: enough to check a restore."""
+  return {'model': dataclasses.asdict(run.model_cfg), 'seed': run.cfg.seed,
+          'mesh': mesh_lib.describe(run.mesh), 'processes': jax.process_count(),
+          'config': json.loads(run.cfg.to_json())}
+
+
+def _check_finite(out, step: int, on_nonfinite: str, ckpt) -> None:
+  loss, grad_norm = float(out['loss']), float(out['grad_norm'])
+  if np.isfinite(loss) and np.isfinite(grad_norm):
+    return
+  if on_nonfinite == 'skip':
+    print(f'warning: step {step}: loss {loss}, grad_norm {grad_norm}; update skipped')
+    return
+  ckpt.wait()
+  steps = ckpt.steps()
+  kept = f'the last checkpoint (step {steps[-1]}) is intact' if steps else 'no checkpoint'
+  raise Stopped(f'step {step}: loss is {loss} (grad_norm {grad_norm}); stopped, {kept}; '
+                '--config.on_nonfinite=skip drops such updates instead', 3)
+
+
+@contextlib.contextmanager
+def _preemption_signal():
+  """Yields ``preempted()``: whether SIGTERM arrived (the loop then saves and stops)."""
+  received = []
+  handler = lambda signum, frame: received.append(signum)
+  if threading.current_thread() is not threading.main_thread():
+    yield lambda: False
+    return
+  previous = signal.signal(signal.SIGTERM, handler)
+  try:
+    yield lambda: bool(received)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
@@ -136,7 +237,7 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
   return flops_tok, peak
 
 
-def _train_record(window, lr, tokens_per_step, flops_tok, num_devices, peak) -> dict:
+def _train_record(window, lr, tokens_per_step, flops_tok, peak, num_devices) -> dict:
   seconds = sum(dt for _, dt in window) / len(window)
   tokens_per_sec = tokens_per_step / seconds
   flops_per_device = tokens_per_sec * flops_tok / num_devices
@@ -148,6 +249,8 @@ def _train_record(window, lr, tokens_per_step, flops_tok, num_devices, peak) -> 
       'tokens_per_sec': tokens_per_sec,
       'tflops_per_device': flops_per_device / 1e12,
       'mfu': flops_per_device / peak,
+      **({'skipped': int(sum(o['skipped'] for o, _ in window))} if 'skipped' in window[0][0]
+         else {}),
   }
 
 

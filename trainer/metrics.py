@@ -39,6 +39,20 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
   return 6 * matmul_params(cfg) + attention
 
 
+def trim(workdir: str, step: int) -> None:
+  """Drops records after ``step`` from ``metrics.jsonl`` (a run resumed from there)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return
+  with open(path, encoding='utf-8') as f:
+    lines = [line for line in f if line.strip()]
+  kept = [line for line in lines if json.loads(line)['step'] <= step]
+  if len(kept) < len(lines):
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.writelines(kept)
+    os.replace(path + '.tmp', path)
+
+
 class MetricsWriter:
   """Writes ``metrics.jsonl`` and TensorBoard events; shows progress.
 

@@ -26,11 +26,14 @@ def cross_entropy(logits_btv, targets_bt, z_loss: float):
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    z_loss: float, accum_steps: int):
+                    z_loss: float, accum_steps: int, skip_nonfinite: bool = False):
   """Builds ``train_step(state, batch) -> (state, metrics)``.
 
   With ``accum_steps > 1`` the batch is split into that many microbatches whose
-  gradients are averaged before one optimizer update.
+  gradients are averaged before one optimizer update. With ``skip_nonfinite``
+  a step whose loss or gradient norm is NaN or infinite leaves parameters and
+  optimizer state unchanged (the step counter still advances) and reports
+  ``skipped = 1``.
   """
 
   def loss_fn(params, batch):
@@ -60,7 +63,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       ce, grads = accumulate(state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {'loss': ce, 'grad_norm': optax.tree.norm(grads)}
+    grad_norm = optax.tree.norm(grads)
+    metrics = {'loss': ce, 'grad_norm': grad_norm}
+    if skip_nonfinite:
+      ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
+      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      metrics['skipped'] = 1 - ok.astype(jnp.int32)
     return TrainState(state.step + 1, params, opt_state), metrics
 
   return train_step

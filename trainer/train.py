@@ -34,6 +34,7 @@ class Run:
   rules: Any
   model_cfg: Any
   corpus: Any
+  resume_step: int | None = None  # the newest checkpoint in the workdir, if any
 
 
 def parse_args(argv):
@@ -49,7 +50,7 @@ def prepare(args, overrides) -> Run:
   cfg = config_lib.load(args.config, overrides)
   try:
     return _prepare(cfg, args)
-  except (KeyError, ValueError) as e:  # validators below raise ValueError
+  except (KeyError, ValueError) as e:  # validators below raise ValueError (and CheckpointError)
     raise ConfigError(str(e).strip('"')) from None
 
 
@@ -78,7 +79,42 @@ def _prepare(cfg, args) -> Run:
                      f' x optimizer.grad_accum_steps={accum}')
   workdir = args.workdir or os.path.join('runs', os.path.splitext(
       os.path.basename(args.config.partition(':')[0]))[0])
-  return Run(cfg, workdir, mesh, rules, model_cfg, corpus)
+  resume_step = _check_checkpoints(cfg, workdir, model_cfg)
+  return Run(cfg, workdir, mesh, rules, model_cfg, corpus, resume_step)
+
+
+def _check_checkpoints(cfg, workdir: str, model_cfg) -> int | None:
+  """Refuses, before compiling, a resume or an init_from that cannot work.
+
+  Returns the step this run resumes from, if the workdir has checkpoints.
+  """
+  from trainer import checkpoint  # pylint: disable=g-import-not-at-top
+  checkpoint.Policy.from_config(cfg.checkpoint).validate()
+  directory = checkpoint.directory_of(workdir)
+  steps = checkpoint.complete_steps(directory)
+  if steps:  # this run resumes: it must be the same model and data order
+    meta = checkpoint.read_meta(directory, steps[-1])
+    diff = [f'model.{k}: {meta["model"].get(k)!r} in the checkpoint, {v!r} now'
+            for k, v in dataclasses.asdict(model_cfg).items() if meta['model'].get(k) != v]
+    if meta['seed'] != cfg.seed:
+      diff.append(f'seed: {meta["seed"]} in the checkpoint, {cfg.seed} now')
+    if diff:
+      raise ValueError(f'{workdir} has checkpoints of another run (' + '; '.join(diff)
+                       + '): use another --workdir, or delete its checkpoints/ to start over')
+    return steps[-1]
+  if cfg.init_from:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    from models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+    source, step = checkpoint.resolve(cfg.init_from)
+    meta = checkpoint.read_meta(source, step)
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
+    diff = checkpoint.differences(
+        {k: v for k, v in meta['arrays'].items() if not checkpoint.is_optimizer(k)},
+        checkpoint.describe(checkpoint.flatten(abstract)))
+    if diff:
+      raise ValueError(f'init_from={cfg.init_from}: {len(diff)} parameter(s) differ from '
+                       'the model: ' + '; '.join(diff[:20]))
+  return None
 
 
 def _check_run_lengths(cfg) -> None:
@@ -92,17 +128,17 @@ def _check_run_lengths(cfg) -> None:
     raise ValueError(f'optimizer.grad_accum_steps={cfg.optimizer.grad_accum_steps} must be >= 1')
   if cfg.stop_after is not None and not 0 < cfg.stop_after <= cfg.steps:
     raise ValueError(f'stop_after={cfg.stop_after} is not in [1, steps={cfg.steps}]')
-  if cfg.checkpoint.every:
-    raise ValueError(f'checkpoint.every={cfg.checkpoint.every}: checkpointing is not '
-                     'available yet; leave it at 0')
+  if cfg.on_nonfinite not in ('stop', 'skip'):
+    raise ValueError(f'on_nonfinite={cfg.on_nonfinite!r} is not one of stop, skip')
 
 
 def start_workdir(run: Run, writer_enabled: bool) -> None:
-  """Creates the workdir, replacing outputs of an earlier run (no resume yet)."""
+  """Creates the workdir; replaces an earlier run's outputs unless this run resumes it."""
   if not writer_enabled:
     return
   os.makedirs(run.workdir, exist_ok=True)
-  old = [p for p in ('metrics.jsonl', 'tb') if os.path.exists(os.path.join(run.workdir, p))]
+  old = [p for p in ('metrics.jsonl', 'tb') if os.path.exists(os.path.join(run.workdir, p))
+         and run.resume_step is None]
   if old:
     print(f'{run.workdir}: replacing the outputs of an earlier run ({", ".join(old)})')
     for p in old:
@@ -119,10 +155,22 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  last = run.cfg.stop_after or run.cfg.steps
+  if run.resume_step is not None and run.resume_step >= last:
+    print(f'{run.workdir} is already at step {run.resume_step} (of {last}): nothing to do')
+    return 0
   from trainer import loop  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
+  from trainer.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
   start_workdir(run, writer_enabled=jax.process_index() == 0)
-  loop.train(run)
+  try:
+    loop.train(run)
+  except CheckpointError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  except loop.Stopped as e:
+    print(f'{"error: " if e.exit_code == 3 else ""}{e}', file=sys.stderr)
+    return e.exit_code
   return 0
 
 
