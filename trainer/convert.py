@@ -25,7 +25,6 @@ import glob
 import json
 import os
 import sys
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,18 +42,6 @@ PICKLE_PATTERNS = ('pytorch_model*.bin', '*.pt', '*.pth', '*.ckpt')
 RAW_DTYPES = {'BF16': ml_dtypes.bfloat16}  # safetensors dtypes numpy lacks
 IGNORED_SUFFIXES = ('rotary_emb.inv_freq',)  # buffers some old checkpoints saved
 DTYPES = ('float32', 'bfloat16', 'float16')
-# Our per-block leaf -> (HF name inside 'layers.{i}.', how to turn it into ours).
-BLOCK_WEIGHTS = {
-    ('attn', 'q_dnh'): 'self_attn.q_proj.weight',
-    ('attn', 'k_dkh'): 'self_attn.k_proj.weight',
-    ('attn', 'v_dkh'): 'self_attn.v_proj.weight',
-    ('attn', 'o_nhd'): 'self_attn.o_proj.weight',
-    ('mlp', 'gate_df'): 'mlp.gate_proj.weight',
-    ('mlp', 'up_df'): 'mlp.up_proj.weight',
-    ('mlp', 'down_fd'): 'mlp.down_proj.weight',
-    ('attn_norm', 'scale'): 'input_layernorm.weight',
-    ('mlp_norm', 'scale'): 'post_attention_layernorm.weight',
-}
 
 
 class ConvertError(ValueError):
@@ -209,13 +196,15 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
   try:
     with safe_open(path, framework='np') as f:
       dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+      bad = {n: dt for n, dt in dtypes.items() if not dt.startswith(('F', 'BF'))}
+      if bad:
+        raise ConvertError(f'{path}: tensors that are not floating point: {bad}')
       out = {name: f.get_tensor(name).astype(np.float32)
              for name, dt in dtypes.items() if dt not in RAW_DTYPES}
+  except ConvertError:
+    raise
   except Exception as e:  # pylint: disable=broad-except  # SafetensorError, OSError
     raise ConvertError(f'cannot read {path}: {str(e).splitlines()[0]}') from None
-  bad = {n: dt for n, dt in dtypes.items() if not dt.startswith(('F', 'BF'))}
-  if bad:
-    raise ConvertError(f'{path}: tensors that are not floating point: {bad}')
   out.update(_read_raw(path, [n for n, dt in dtypes.items() if dt in RAW_DTYPES]))
   return out
 
@@ -251,11 +240,17 @@ def _hf_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _strip_prefix(tensors: dict, cfg: TransformerConfig) -> dict[str, np.ndarray]:
-  """Accepts LlamaForCausalLM ('model.' prefix) or LlamaModel key names."""
+  """Accepts LlamaForCausalLM ('model.' prefix) or LlamaModel key names.
+
+  Moves the arrays out of ``tensors`` (which ends empty), so that each is freed
+  as soon as it is converted.
+  """
   out = {}
-  for name, value in tensors.items():
+  for name in list(tensors):
     key = name[len('model.'):] if name.startswith('model.') else name
-    out[key] = value
+    if key in out:
+      raise ConvertError(f'both {key} and model.{key} are in the checkpoint')
+    out[key] = tensors.pop(name)
   expected = set(_hf_shapes(cfg)) | ({'lm_head.weight'} if not cfg.tie_embeddings else set())
   missing, extra = sorted(expected - set(out)), sorted(set(out) - expected)
   if missing:
@@ -315,14 +310,17 @@ def _block_to_hf(block: dict, cfg: TransformerConfig) -> dict[str, np.ndarray]:
 
 
 def hf_to_params(tensors: dict[str, np.ndarray], cfg: TransformerConfig) -> dict:
-  """Hugging Face Llama tensors -> our nested params (the model's pure dict)."""
+  """Hugging Face Llama tensors -> our nested params (the model's pure dict).
+
+  Consumes ``tensors``: the arrays move into the result (pass a copy to keep it).
+  """
   w = _strip_prefix(tensors, cfg)
   _check_hf_shapes(w, cfg)
   blocks = []
   for i in range(cfg.num_layers):
     prefix = f'layers.{i}.'
-    blocks.append(_block_to_ours({name[len(prefix):]: w[name] for name in w
-                                  if name.startswith(prefix)}, cfg))
+    names = [name for name in w if name.startswith(prefix)]
+    blocks.append(_block_to_ours({n[len(prefix):]: w.pop(n) for n in names}, cfg))
   params = {'embed_vd': w['embed_tokens.weight'], 'final_norm': {'scale': w['norm.weight']}}
   if cfg.scan_layers:
     params['blocks'] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
@@ -434,7 +432,8 @@ def logit_difference(hf_dir: str, params: dict, cfg: TransformerConfig) -> float
 
 def _check_out_dir(out_dir: str) -> None:
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-    raise ConvertError(f'--out_dir {out_dir} already exists and is not empty: choose a new one or remove it')
+    raise ConvertError(f'--out_dir {out_dir} already exists and is not empty: '
+                       'choose a new one or remove it')
 
 
 def cmd_import(args) -> int:
@@ -506,7 +505,8 @@ def parse_args(argv):
   imp.add_argument('--dtype', default='float32', choices=DTYPES,
                    help='dtype of the written params')
   exp = sub.add_parser('hf-export', help='params checkpoint -> Hugging Face Llama')
-  exp.add_argument('--checkpoint', required=True, help='a params checkpoint path')
+  exp.add_argument('--checkpoint', required=True,
+                   help='hf-import output, a run workdir (its latest checkpoint) or a step dir')
   exp.add_argument('--out_dir', required=True, help='where to write the HF model')
   return parser.parse_args(argv)
 
