@@ -159,7 +159,7 @@ class Policy:
   keep: int = 3              # most recent checkpoints kept
   keep_period: int = 0       # also keep every step divisible by this (0: none)
   async_save: bool = True    # write in the background while training goes on
-  on_corrupt: str = 'error'  # error | previous: resume from the newest readable one
+  on_corrupt: str = 'error'  # error | previous: set bad ones aside, resume from an older one
 
   @classmethod
   def from_config(cls, cfg) -> 'Policy':
@@ -211,8 +211,17 @@ class Checkpointer:
                   '; --config.checkpoint.on_corrupt=previous resumes from the newest '
                   'readable earlier checkpoint')
           raise CheckpointError(f'{e}{hint}') from None
-        print(f'warning: {e}; trying the previous checkpoint')
+        self._set_aside(step, e)
     raise CheckpointError(f'no checkpoint in {self.directory}')
+
+  def _set_aside(self, step: int, error: CheckpointError) -> None:
+    """Renames a bad checkpoint out of the way (kept for inspection), so it is redone."""
+    bad = os.path.join(self.directory, str(step))
+    if jax.process_index() == 0:
+      os.replace(bad, f'{bad}.corrupt')
+      print(f'warning: {error}; moved it to {bad}.corrupt and trying the previous checkpoint')
+    ocp.multihost.sync_global_processes(f'ringtrain_set_aside_{step}')
+    self._mngr.reload()
 
   def _restore(self, step: int, abstract_state):
     where = os.path.join(self.directory, str(step))

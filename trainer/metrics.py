@@ -83,9 +83,10 @@ class MetricsWriter:
       if key != 'step' and isinstance(value, (int, float)):
         self._tb.add_scalar(key, value, step)
     self._tb.flush()
-    self._show(step, record)
+    self._show(step, {k: (float(v) if isinstance(v, str) else v) for k, v in record.items()})
 
   def _show(self, step: int, record: dict[str, Any]) -> None:
+    """Prints one record (non-finite values arrive as floats, printed as nan/inf)."""
     if 'eval_loss' in record:
       bpb = f" eval_bpb {record['eval_bpb']:.3f}" if 'eval_bpb' in record else ''
       self._print(f"step {step:6d} | eval_loss {record['eval_loss']:.4f}{bpb}", final=True)

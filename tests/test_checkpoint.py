@@ -1,0 +1,205 @@
+"""Checkpoints: exact resume, preemption, faults, and parameters onto other meshes."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_cli import DEFAULT, TINY
+from trainer import checkpoint, loop, train
+
+# Tiny runs that log every step; checkpoints every 2 steps.
+RUN = TINY + ['--config.log_every=1', '--config.eval_every=0', '--config.checkpoint.every=2']
+
+
+def _main(workdir, *overrides):
+  return train.main(['--config', DEFAULT, '--workdir', str(workdir), *RUN, *overrides])
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return {r['step']: r['loss'] for r in map(json.loads, f) if 'loss' in r}
+
+
+def _params_equal(a, b):
+  a, b = checkpoint.read_params(a)[1], checkpoint.read_params(b)[1]
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _cli(workdir, *overrides, env=None, **kwargs):
+  cmd = [sys.executable, '-m', 'trainer.train', '--config', DEFAULT, '--workdir', str(workdir),
+         *RUN, *overrides]
+  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env={**os.environ, 'PYTHONUNBUFFERED': '1', **(env or {})}, **kwargs)
+
+
+def test_stop_and_resume_is_bit_exact(tmp_path, capsys):
+  assert _main(tmp_path / 'straight', '--config.steps=8') == 0
+  assert _main(tmp_path / 'split', '--config.steps=8', '--config.stop_after=4') == 0
+  assert 'run the same command without stop_after' in capsys.readouterr().out
+  assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'split')) == [2, 4]
+  assert _main(tmp_path / 'split', '--config.steps=8') == 0
+  assert 'resuming from step 4' in capsys.readouterr().out
+  straight, split = _losses(tmp_path / 'straight'), _losses(tmp_path / 'split')
+  assert list(split) == list(range(1, 9))
+  assert split == straight  # every step's loss, exactly
+  assert _params_equal(tmp_path / 'straight', tmp_path / 'split')
+  assert _main(tmp_path / 'split', '--config.steps=8') == 0  # nothing left to do
+  assert 'already at step 8' in capsys.readouterr().out
+
+
+def test_resume_refuses_another_model(tmp_path, capsys):
+  assert _main(tmp_path / 'run', '--config.steps=4', '--config.stop_after=2') == 0
+  capsys.readouterr()
+  assert _main(tmp_path / 'run', '--config.steps=4', '--config.model.mlp_dim=128') == 2
+  err = capsys.readouterr().err.strip()
+  assert '\n' not in err
+  assert 'has checkpoints of another run (model.mlp_dim: 64 in the checkpoint, 128 now)' in err
+
+
+def test_init_from_loads_params_only_onto_another_mesh(tmp_path):
+  assert _main(tmp_path / 'src', '--config.steps=2') == 0
+  saved = checkpoint.read_params(tmp_path / 'src')[1]
+  run = train.prepare(*train.parse_args([
+      '--config', DEFAULT, '--workdir', str(tmp_path / 'ft'), *RUN, '--config.steps=2',
+      f'--config.init_from={tmp_path / "src"}', '--config.mesh.data=1',
+      '--config.mesh.fsdp=4', '--config.mesh.tensor=2']))
+  s = loop.setup(run)
+  assert s.start_step == 0 and int(s.state.step) == 0
+  loaded = s.state.params.to_pure_dict()
+  for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(loaded)):
+    np.testing.assert_array_equal(a, np.asarray(b))  # same values, other sharding
+  q = checkpoint.flatten(s.state.params)['blocks.0.attn.q_dnh']
+  assert q.sharding.spec[0] == 'fsdp'
+  moments = {k: v for k, v in checkpoint.flatten(s.state.opt_state).items() if '.mu.' in k}
+  assert moments and all(not np.any(np.asarray(m)) for m in moments.values())  # fresh
+
+
+def test_init_from_onto_one_device_trains_like_eight(tmp_path):
+  assert _main(tmp_path / 'src', '--config.steps=2') == 0
+  init = [f'--config.init_from={tmp_path / "src"}', '--config.steps=1']
+  assert _main(tmp_path / 'eight', *init) == 0
+  one = _cli(tmp_path / 'one', *init, '--config.mesh.data=1', '--config.mesh.tensor=1',
+             env={'RINGTRAIN_CPU_DEVICES': '1'})
+  out = one.communicate(timeout=300)[0]
+  assert one.returncode == 0, out
+  assert 'parameters loaded from' in out
+  np.testing.assert_allclose(_losses(tmp_path / 'one')[1], _losses(tmp_path / 'eight')[1],
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize('target, message', [
+    ('{tmp}/nowhere', 'no such checkpoint path'),
+    ('{tmp}', 'is not a checkpoint'),
+    ('{src}', 'parameter(s) differ from the model'),
+])
+def test_bad_init_from_exits_2_with_one_line(tmp_path, capsys, target, message):
+  if '{src}' in target:
+    assert _main(tmp_path / 'src', '--config.steps=1', '--config.model.d_model=64') == 0
+  capsys.readouterr()
+  path = target.format(tmp=tmp_path, src=tmp_path / 'src')
+  code = _main(tmp_path / 'ft', '--config.steps=1', f'--config.init_from={path}')
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and '\n' not in err and message in err, err
+  assert not (tmp_path / 'ft').exists()
+  if '{src}' in target:
+    assert 'embed_vd: shape (264, 64) in the checkpoint, (264, 32) in the model' in err
+
+
+def test_corrupted_checkpoint_is_named_and_can_fall_back(tmp_path, capsys):
+  assert _main(tmp_path / 'run', '--config.steps=6', '--config.stop_after=4') == 0
+  step4 = os.path.join(checkpoint.directory_of(tmp_path / 'run'), '4')
+  for path in glob.glob(os.path.join(step4, 'params', '**', 'd', '*'), recursive=True):
+    with open(path, 'r+b') as f:  # flip bytes in the middle of every data file
+      f.seek(os.path.getsize(path) // 2)
+      byte = f.read(1)
+      f.seek(-1, 1)
+      f.write(bytes([byte[0] ^ 0xFF]))
+  capsys.readouterr()
+  assert _main(tmp_path / 'run', '--config.steps=6') == 1
+  err = capsys.readouterr().err.strip()
+  assert '\n' not in err and step4 in err and 'on_corrupt=previous' in err, err
+  assert _main(tmp_path / 'run', '--config.steps=6', '--config.checkpoint.on_corrupt=previous') == 0
+  assert 'resuming from step 2' in capsys.readouterr().out
+
+
+def test_truncated_checkpoint_is_named(tmp_path, capsys):
+  assert _main(tmp_path / 'run', '--config.steps=4', '--config.stop_after=2') == 0
+  step2 = os.path.join(checkpoint.directory_of(tmp_path / 'run'), '2')
+  for path in glob.glob(os.path.join(step2, 'opt_state', '**', 'd', '*'), recursive=True):
+    os.truncate(path, os.path.getsize(path) // 2)
+  capsys.readouterr()
+  assert _main(tmp_path / 'run', '--config.steps=4') == 1
+  err = capsys.readouterr().err.strip()
+  assert '\n' not in err and step2 in err, err
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, capsys):
+  diverge = ['--config.optimizer.learning_rate=1e12', '--config.optimizer.warmup_steps=0',
+             '--config.optimizer.grad_clip=0.0', '--config.checkpoint.every=1',
+             '--config.steps=6']
+  assert _main(tmp_path / 'run', *diverge) == 3
+  err = capsys.readouterr().err.strip()
+  bad = int(err.split('step ')[1].split(':')[0])
+  assert 'loss is' in err and f'the last checkpoint (step {bad - 1}) is intact' in err, err
+  directory = checkpoint.directory_of(tmp_path / 'run')
+  assert checkpoint.complete_steps(directory)[-1] == bad - 1
+  params = checkpoint.read_params(os.path.join(directory, str(bad - 1)))[1]
+  assert all(np.isfinite(p).all() for p in jax.tree.leaves(params))
+  # skip: the run finishes, dropping the non-finite updates and counting them.
+  assert _main(tmp_path / 'skip', *diverge, '--config.on_nonfinite=skip') == 0
+  with open(tmp_path / 'skip' / 'metrics.jsonl') as f:
+    assert sum(r.get('skipped', 0) for r in map(json.loads, f)) >= 1
+
+
+def test_sigterm_saves_then_exits_and_resumes(tmp_path):
+  proc = _cli(tmp_path / 'run', '--config.steps=400', '--config.checkpoint.every=1000')
+  for line in proc.stdout:
+    if line.startswith('step') and '/400' in line:
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 143, out
+  stopped = int(out.split('stopped by SIGTERM after step ')[1].split(';')[0])
+  assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'run')) == [stopped]
+  resumed = _cli(tmp_path / 'run', '--config.steps=400', '--config.checkpoint.every=1000',
+                 f'--config.stop_after={stopped + 1}')
+  out = resumed.communicate(timeout=300)[0]
+  assert resumed.returncode == 0 and f'resuming from step {stopped}' in out, out
+
+
+def test_sigkill_during_async_save_resumes_from_last_complete(tmp_path):
+  """Kills the trainer while a checkpoint is being written; the next start skips it."""
+  directory = checkpoint.directory_of(tmp_path / 'run')
+  big = ['--config.model.d_model=256', '--config.model.mlp_dim=2048',
+         '--config.steps=200', '--config.checkpoint.every=1', '--config.checkpoint.keep=2']
+  for _ in range(3):  # the kill must land inside a save; saves are short, so retry
+    proc = _cli(tmp_path / 'run', *big)
+    killed_mid_save = False
+    deadline = time.time() + 240
+    while proc.poll() is None and time.time() < deadline:
+      partial = [d for d in (os.listdir(directory) if os.path.isdir(directory) else [])
+                 if 'tmp' in d]
+      if partial and checkpoint.complete_steps(directory):
+        proc.kill()
+        killed_mid_save = True
+        break
+      time.sleep(0.001)
+    proc.communicate(timeout=60)
+    if killed_mid_save and any('tmp' in d for d in os.listdir(directory)):
+      break
+  else:
+    pytest.fail('could not kill the trainer in the middle of a save')
+  last = checkpoint.complete_steps(directory)[-1]
+  resumed = _cli(tmp_path / 'run', *big, f'--config.stop_after={last + 1}')
+  out = resumed.communicate(timeout=300)[0]
+  assert resumed.returncode == 0 and f'resuming from step {last}' in out, out
+  assert not any('tmp' in d for d in os.listdir(directory))  # leftovers cleaned up
