@@ -81,7 +81,8 @@ def check_divisible(abstract_state: Any, specs: Any, mesh: jax.sharding.Mesh) ->
     for dim, axes in zip(leaf.shape, spec):
       size = mesh_axis_size(mesh, axes)
       if dim % size:
-        bad.append(f'{jax.tree_util.keystr(path)} dim {dim} over {axes} ({size})')
+        name = jax.tree_util.keystr(path, simple=True, separator='.').removesuffix('.value')
+        bad.append(f'{name} dim {dim} over {axes} ({size})')
   if bad:
     raise ValueError('parameter dims not divisible by their mesh axes: ' + '; '.join(bad))
 

@@ -203,3 +203,28 @@ def test_sigkill_during_async_save_resumes_from_last_complete(tmp_path):
   out = resumed.communicate(timeout=300)[0]
   assert resumed.returncode == 0 and f'resuming from step {last}' in out, out
   assert not any('tmp' in d for d in os.listdir(directory))  # leftovers cleaned up
+
+
+def test_hf_import_then_fine_tune(tmp_path, capsys):
+  """A Llama made by transformers, imported, fine-tuned through configs/finetune.py."""
+  transformers = pytest.importorskip('transformers')
+  from trainer import convert  # pylint: disable=import-outside-toplevel
+  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+  hf.save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  assert convert.main(['hf-import', '--hf_dir', str(tmp_path / 'hf'),
+                       '--out_dir', str(tmp_path / 'imported')]) == 0
+  finetune = os.path.join(ROOT, 'configs', 'finetune.py')
+  code = train.main(['--config', f'{finetune}:{tmp_path / "imported"}', '--workdir',
+                     str(tmp_path / 'ft'), '--config.steps=3', '--config.batch_size=8',
+                     '--config.seq_len=32', '--config.eval_steps=1', '--config.log_every=1',
+                     '--config.mesh.data=4', '--config.mesh.tensor=2'])
+  assert code == 0
+  assert 'parameters loaded from' in capsys.readouterr().out
+  assert len(_losses(tmp_path / 'ft')) == 3
+  model, _ = checkpoint.read_params(tmp_path / 'ft')
+  assert model['num_kv_heads'] == 2 and model['max_seq_len'] == 64
+  # A config that needs a checkpoint says so.
+  assert train.main(['--config', finetune, '--workdir', str(tmp_path / 'x')]) == 2
+  assert 'needs a checkpoint' in capsys.readouterr().err

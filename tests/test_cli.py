@@ -32,6 +32,10 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.hardware.name=tpu_v9'], "hardware.name='tpu_v9'"),
     (['--config.model.num_kv_heads=3'], 'num_kv_heads=3'),
     (['--config.steps=0'], 'steps=0 must be at least 1'),
+    (['--config.model.num_kv_heads=2'], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),
+    (['--config.on_nonfinite=ignore'], "on_nonfinite='ignore' is not one of stop, skip"),
+    (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
+    (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),
     (['--bogus'], 'unrecognized argument: --bogus'),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, overrides, message):

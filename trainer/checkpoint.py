@@ -150,6 +150,23 @@ def read_meta(directory: str, step: int) -> dict:
   return meta
 
 
+def peek_model_config(path: str) -> dict:
+  """The model config stored with the checkpoint at ``path``, read without starting JAX.
+
+  For config files (``configs/finetune.py``), which run before the devices are
+  set up. Reads the JSON file that ``ocp.args.JsonSave`` writes for ``meta``.
+  """
+  directory, step = resolve(path)
+  meta_file = os.path.join(directory, str(step), 'meta', 'metadata')
+  try:
+    with open(meta_file, encoding='utf-8') as f:
+      meta = json.load(f)
+    return meta['model']
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f'{meta_file}: no model config in the checkpoint metadata '
+                          f'({type(e).__name__})') from None
+
+
 # --------------------------------------------------------------- a run's
 
 @dataclasses.dataclass
@@ -166,9 +183,9 @@ class Policy:
     return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls)})
 
   def validate(self) -> None:
-    if self.every < 0 or self.keep < 1 or self.keep_period < 0:
-      raise ValueError(f'checkpoint.every={self.every}, keep={self.keep}, keep_period='
-                       f'{self.keep_period}: every and keep_period must be >= 0, keep >= 1')
+    for key, low in (('every', 0), ('keep', 1), ('keep_period', 0)):
+      if getattr(self, key) < low:
+        raise ValueError(f'checkpoint.{key}={getattr(self, key)} must be >= {low}')
     if self.on_corrupt not in ('error', 'previous'):
       raise ValueError(f'checkpoint.on_corrupt={self.on_corrupt!r} is not one of error, '
                        'previous')

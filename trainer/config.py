@@ -31,7 +31,10 @@ def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
   module_spec.loader.exec_module(module)
   if not hasattr(module, 'get_config'):
     raise ConfigError(f'config file {path} has no get_config()')
-  cfg = module.get_config(arg) if arg else module.get_config()
+  try:
+    cfg = module.get_config(arg) if arg else module.get_config()
+  except ValueError as e:  # a config that refuses its argument
+    raise ConfigError(f'{spec}: {e}') from None
   for key, raw in parse_overrides(overrides):
     set_value(cfg, key, raw)
   return cfg

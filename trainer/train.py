@@ -79,11 +79,15 @@ def _prepare(cfg, args) -> Run:
                      f' x optimizer.grad_accum_steps={accum}')
   workdir = args.workdir or os.path.join('runs', os.path.splitext(
       os.path.basename(args.config.partition(':')[0]))[0])
-  resume_step = _check_checkpoints(cfg, workdir, model_cfg)
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
+  sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
+  resume_step = _check_checkpoints(cfg, workdir, model_cfg, params)
   return Run(cfg, workdir, mesh, rules, model_cfg, corpus, resume_step)
 
 
-def _check_checkpoints(cfg, workdir: str, model_cfg) -> int | None:
+def _check_checkpoints(cfg, workdir: str, model_cfg, abstract_params) -> int | None:
   """Refuses, before compiling, a resume or an init_from that cannot work.
 
   Returns the step this run resumes from, if the workdir has checkpoints.
@@ -103,14 +107,11 @@ def _check_checkpoints(cfg, workdir: str, model_cfg) -> int | None:
                        + '): use another --workdir, or delete its checkpoints/ to start over')
     return steps[-1]
   if cfg.init_from:
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-    from models.transformer import Transformer  # pylint: disable=g-import-not-at-top
     source, step = checkpoint.resolve(cfg.init_from)
     meta = checkpoint.read_meta(source, step)
-    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
     diff = checkpoint.differences(
         {k: v for k, v in meta['arrays'].items() if not checkpoint.is_optimizer(k)},
-        checkpoint.describe(checkpoint.flatten(abstract)))
+        checkpoint.describe(checkpoint.flatten(abstract_params)))
     if diff:
       raise ValueError(f'init_from={cfg.init_from}: {len(diff)} parameter(s) differ from '
                        'the model: ' + '; '.join(diff[:20]))
