@@ -42,7 +42,10 @@ def _cli(workdir, *overrides, env=None, **kwargs):
 
 
 def test_stop_and_resume_is_bit_exact(tmp_path, capsys):
-  assert _main(tmp_path / 'straight', '--config.steps=8') == 0
+  assert _main(tmp_path / 'straight', '--config.steps=8', '--config.checkpoint.keep=2',
+               '--config.checkpoint.keep_period=4') == 0
+  # the newest two, plus those divisible by keep_period
+  assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'straight')) == [4, 6, 8]
   assert _main(tmp_path / 'split', '--config.steps=8', '--config.stop_after=4') == 0
   assert 'run the same command without stop_after' in capsys.readouterr().out
   assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'split')) == [2, 4]
