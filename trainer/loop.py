@@ -32,6 +32,57 @@ class Stopped(Exception):
 
 
 @dataclasses.dataclass
+class Program:
+  """A run's train step and state, abstract: shapes and shardings, nothing allocated.
+
+  What ahead-of-time compilation needs (``launch/aot.py``) and what setup()
+  turns into a live run.
+  """
+  abstract_state: TrainState   # ShapeDtypeStructs carrying their NamedShardings
+  state_sharding: Any
+  batch_sharding: NamedSharding
+  train_step: Any              # jitted (state, batch) -> (state, metrics); donates state
+  init: Callable[[], TrainState]
+  tx: Any
+  schedule: Any
+  ops: sharding.ShardedOps     # records every dense layer's decision when traced
+  graphdef: Any
+  abstract_params: Any
+
+  def abstract_batch(self, batch_size: int, seq_len: int) -> dict:
+    spec = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=self.batch_sharding)
+    return {k: spec for k in ('inputs', 'targets', 'positions', 'segments')}
+
+
+def build(cfg, model_cfg, mesh, rules) -> Program:
+  """Builds the model and optimizer abstractly and jits the train step for ``mesh``."""
+  ops = sharding.ShardedOps(mesh, rules, sharding.MatmulPolicy.from_config(cfg))
+  make_model = lambda: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops)
+  graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
+  tx, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
+
+  def init() -> TrainState:
+    params = nnx.state(make_model())
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+  abstract_state = jax.eval_shape(init)
+  specs = sharding.state_specs(abstract_state, rules)
+  sharding.check_divisible(abstract_params, specs.params, mesh)
+  state_sharding = sharding.named(mesh, specs)
+  abstract_state = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract_state, state_sharding)
+  batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(('batch', 'length'), rules))
+  train_step = jax.jit(
+      make_train_step(graphdef, tx, cfg.optimizer.z_loss, cfg.optimizer.grad_accum_steps,
+                      skip_nonfinite=cfg.on_nonfinite == 'skip'),
+      in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
+      donate_argnums=(0,))
+  return Program(abstract_state, state_sharding, batch_sharding, train_step, init, tx,
+                 schedule, ops, graphdef, abstract_params)
+
+
+@dataclasses.dataclass
 class Setup:
   """A run's sharded state, compiled-to-be steps and input functions."""
   state: TrainState
@@ -47,65 +98,39 @@ class Setup:
 
 
 def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
-  """Builds state abstractly, then creates, resumes or fine-tunes it sharded; jits the steps."""
-  cfg, mesh, rules = run.cfg, run.mesh, run.rules
-  # ---------------------------------------------------------------- model
-  ops = sharding.ShardedOps(mesh, rules, sharding.MatmulPolicy.from_config(cfg))
-  make_model = lambda: Transformer(run.model_cfg, nnx.Rngs(cfg.seed), ops)
-  graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
-  tx, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
-
-  # ---------------------------------------------- abstract init, then sharded
-  def init() -> TrainState:
-    params = nnx.state(make_model())
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
-
-  abstract_state = jax.eval_shape(init)
-  specs = sharding.state_specs(abstract_state, rules)
-  sharding.check_divisible(abstract_params, specs.params, mesh)
-  state_sharding = sharding.named(mesh, specs)
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_state, state_sharding)
-  state, start_step = _initial_state(run, checkpointer, target, init, tx, state_sharding)
-
-  # ----------------------------------------------------------- input data
-  batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(('batch', 'length'), rules))
-  rows = data.local_rows(batch_sharding, (cfg.batch_size, cfg.seq_len))
+  """Builds the program, creates, resumes or fine-tunes its state sharded; makes the inputs."""
+  cfg = run.cfg
+  p = build(cfg, run.model_cfg, run.mesh, run.rules)
+  state, start_step = _initial_state(run, checkpointer, p)
+  rows = data.local_rows(p.batch_sharding, (cfg.batch_size, cfg.seq_len))
   get_batch = lambda step: data.to_global(
       data.train_rows(run.corpus, cfg.seed, step, cfg.batch_size, cfg.seq_len, rows),
-      batch_sharding, cfg.batch_size)
+      p.batch_sharding, cfg.batch_size)
   eval_batches = [data.to_global(
       data.eval_rows(run.corpus, i, cfg.batch_size, cfg.seq_len, rows),
-      batch_sharding, cfg.batch_size) for i in range(cfg.eval_steps)]
-
-  # ------------------------------------------------------------ the steps
-  train_step = jax.jit(
-      make_train_step(graphdef, tx, cfg.optimizer.z_loss, cfg.optimizer.grad_accum_steps,
-                      skip_nonfinite=cfg.on_nonfinite == 'skip'),
-      in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
-      donate_argnums=(0,))
+      p.batch_sharding, cfg.batch_size) for i in range(cfg.eval_steps)]
   eval_step = jax.jit(make_eval_step(
-      graphdef, data.BYTE_VOCAB if run.corpus.byte_level else None))
-  return Setup(state, start_step, train_step, eval_step, get_batch, eval_batches, schedule,
-               ops, graphdef, abstract_params)
+      p.graphdef, data.BYTE_VOCAB if run.corpus.byte_level else None))
+  return Setup(state, start_step, p.train_step, eval_step, get_batch, eval_batches,
+               p.schedule, p.ops, p.graphdef, p.abstract_params)
 
 
-def _initial_state(run, checkpointer, target, init, tx, state_sharding):
+def _initial_state(run, checkpointer, p: Program):
   """(state, step): resumed from the run's checkpoints, else fresh (params maybe loaded)."""
   log = print if jax.process_index() == 0 else (lambda *a, **k: None)
   # Every branch waits: one sharded computation in flight at a time (see train()).
   if checkpointer is not None and checkpointer.steps():
-    state, step = checkpointer.restore(target)
+    state, step = checkpointer.restore(p.abstract_state)
     log(f'resuming from step {step} ({os.path.join(checkpointer.directory, str(step))})'
         + ('; init_from is ignored' if run.cfg.init_from else ''))
     return jax.block_until_ready(state), step
   if run.cfg.init_from:
-    params = checkpoint.restore_params(run.cfg.init_from, target.params)
+    params = checkpoint.restore_params(run.cfg.init_from, p.abstract_state.params)
     log(f'parameters loaded from {run.cfg.init_from} (optimizer state and step start fresh)')
-    fresh = lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p))
-    return jax.block_until_ready(jax.jit(fresh, out_shardings=state_sharding,
+    fresh = lambda params: TrainState(jnp.zeros((), jnp.int32), params, p.tx.init(params))
+    return jax.block_until_ready(jax.jit(fresh, out_shardings=p.state_sharding,
                                          donate_argnums=(0,))(params)), 0
-  return jax.block_until_ready(jax.jit(init, out_shardings=state_sharding)()), 0
+  return jax.block_until_ready(jax.jit(p.init, out_shardings=p.state_sharding)()), 0
 
 
 def train(run) -> dict:
