@@ -48,6 +48,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = False     # jax.lax.scan over layers (compile time of deep models)
   c.model.remat = 'none'          # activation recomputation: none | full | dots
 
+  # Mixture of Experts (models/moe.py): num_experts=0 keeps every MLP dense.
+  c.moe = ml_collections.ConfigDict()
+  c.moe.num_experts = 0            # experts per MoE layer (0: no MoE)
+  c.moe.top_k = 2                  # experts each token goes to
+  c.moe.every = 1                  # layer i is MoE when (i + 1) % every == 0
+  c.moe.mlp_dim = 1024             # each expert's SwiGLU hidden width
+  c.moe.capacity_factor = 1.25     # slots per expert = factor x tokens x top_k / experts
+  c.moe.dropless = False           # capacity = all tokens of a sequence: nothing dropped
+  c.moe.load_balance_weight = 0.01 # Switch/GShard load-balancing loss weight
+  c.moe.router_z_weight = 1e-3     # router z-loss weight
+  c.moe.overlap_chunks = 2         # chunks of the decomposed expert all-to-all
+
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 3e-3    # peak learning rate
   c.optimizer.warmup_steps = 50       # linear warmup from 0

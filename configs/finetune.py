@@ -26,6 +26,8 @@ def get_config(path: str = ''):
   for key, value in model.items():
     if key in c.model:
       c.model[key] = value
+  for key, value in model.get('moe', {}).items():
+    c.moe[key] = value
   c.init_from = path
   c.steps = 200
   c.optimizer.learning_rate = 3e-4  # a tenth of pre-training's

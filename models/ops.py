@@ -40,3 +40,24 @@ class Ops:
     del x_axes, w_axes, name
     out = jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
     return self.constrain(out.astype(x.dtype), out_axes)
+
+  def experts(self, x_becd: jax.Array, expert_fn, *, chunks: int, flops: float,
+              name: str) -> jax.Array:
+    """Runs ``expert_fn`` on tokens dispatched to experts.
+
+    Args:
+      x_becd: tokens in expert slots, ``[batch, exp, capacity, embed]``
+        (logical axes ``models.moe.DISPATCHED``).
+      expert_fn: maps ``[exp, batch, capacity, embed]`` to the same shape (axes
+        ``models.moe.AT_EXPERTS``); it may be called once per chunk.
+      chunks: how many capacity chunks a decomposed exchange may use.
+      flops: the FLOPs of ``expert_fn`` on all of ``x_becd`` (for the cost model).
+      name: the layer's path, used in reports.
+
+    Returns:
+      ``expert_fn``'s output back in ``[batch, exp, capacity, embed]``. Here a
+      transpose; the sharded version moves tokens to the devices holding their
+      experts (all-to-all) and back, whole or in chunks.
+    """
+    del chunks, flops, name
+    return jnp.swapaxes(expert_fn(jnp.swapaxes(x_becd, 0, 1)), 0, 1)

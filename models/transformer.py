@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.moe import MoeConfig, MoeMlp, zero_aux
 from models.ops import Ops
 
 REMAT_POLICIES = {
@@ -50,13 +51,26 @@ class TransformerConfig:
   param_dtype: str = 'float32'
   scan_layers: bool = False
   remat: str = 'none'  # one of REMAT_POLICIES
+  moe: MoeConfig = MoeConfig()  # the ``moe.*`` group; dense when num_experts == 0
 
   @classmethod
-  def from_config(cls, cfg: Any) -> 'TransformerConfig':
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in dict(cfg).items() if k in fields})
+  def from_config(cls, cfg: Any, moe_cfg: Any = None) -> 'TransformerConfig':
+    """From the ``model.*`` group (and ``moe.*``), or a checkpoint's model dict."""
+    fields = {f.name for f in dataclasses.fields(cls)} - {'moe'}
+    moe_cfg = moe_cfg if moe_cfg is not None else dict(cfg).get('moe')
+    moe = MoeConfig.from_config(moe_cfg) if moe_cfg is not None else MoeConfig()
+    return cls(**{k: v for k, v in dict(cfg).items() if k in fields}, moe=moe)
+
+  @property
+  def layers_per_unit(self) -> int:
+    """Blocks per repeated unit: ``moe.every`` with MoE (the last one MoE), else 1."""
+    return self.moe.every if self.moe.enabled else 1
 
   def validate(self) -> None:
+    self.moe.validate(self.num_layers)
+    if self.scan_layers and self.num_layers % self.layers_per_unit:
+      raise ValueError(f'model.scan_layers needs model.num_layers={self.num_layers} to be a '
+                       f'multiple of moe.every={self.moe.every}')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'model.num_heads={self.num_heads} is not a multiple of '
                        f'model.num_kv_heads={self.num_kv_heads}')
@@ -177,19 +191,44 @@ class Mlp(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) (MLP or MoE)."""
 
-  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str = 'block'):
-    self.ops = ops
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str = 'block',
+               moe_layer: bool = False):
+    self.ops, self.num_experts = ops, cfg.moe.num_experts
     self.attn_norm = RMSNorm(cfg)
     self.attn = Attention(cfg, ops, rngs, f'{path}.attn')
     self.mlp_norm = RMSNorm(cfg)
-    self.mlp = Mlp(cfg, ops, rngs, f'{path}.mlp')
+    if moe_layer:
+      self.moe = MoeMlp(cfg.moe, cfg.d_model, cfg.num_layers, cfg.dtype, cfg.param_dtype,
+                        ops, rngs, f'{path}.moe')
+    else:
+      self.mlp = Mlp(cfg, ops, rngs, f'{path}.mlp')
 
   def __call__(self, x_btd, positions_bt, segments_bt):
+    """Returns the new residual stream and the MoE aux record (zeros when dense)."""
     x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segments_bt)
-    x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
-    return self.ops.constrain(x_btd, RESIDUAL)
+    if hasattr(self, 'moe'):
+      y_btd, aux = self.moe(self.mlp_norm(x_btd), RESIDUAL)
+    else:
+      y_btd, aux = self.mlp(self.mlp_norm(x_btd)), zero_aux(self.num_experts)
+    return self.ops.constrain(x_btd + y_btd, RESIDUAL), aux
+
+
+class BlockGroup(nnx.Module):
+  """``moe.every`` blocks, the last one MoE: the unit a scan repeats."""
+
+  def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str):
+    n = cfg.layers_per_unit
+    self.layers = nnx.List([Block(cfg, ops, rngs, f'{path}.{j}', moe_layer=j == n - 1)
+                            for j in range(n)])
+
+  def __call__(self, x_btd, positions_bt, segments_bt):
+    total = None
+    for block in self.layers:
+      x_btd, aux = block(x_btd, positions_bt, segments_bt)
+      total = aux if total is None else jax.tree.map(jnp.add, total, aux)
+    return x_btd, total
 
 
 class Transformer(nnx.Module):
@@ -202,21 +241,25 @@ class Transformer(nnx.Module):
     self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model),
                            ('vocab', 'embed'), cfg, 1)
     if cfg.scan_layers:
-      @nnx.split_rngs(splits=cfg.num_layers)
+      unit = lambda rngs: (Block(cfg, ops, rngs, 'blocks.*', moe_layer=cfg.moe.enabled)
+                           if cfg.layers_per_unit == 1 else BlockGroup(cfg, ops, rngs, 'blocks.*'))
+
+      @nnx.split_rngs(splits=cfg.num_layers // cfg.layers_per_unit)
       @nnx.vmap(in_axes=0, out_axes=0,
                 transform_metadata={nnx.PARTITION_NAME: 'layers'})
       def make_blocks(rngs):
-        return Block(cfg, ops, rngs, 'blocks.*')
+        return unit(rngs)
       self.blocks = make_blocks(rngs)
     else:
-      self.blocks = nnx.List([Block(cfg, ops, rngs, f'blocks.{i}')
+      self.blocks = nnx.List([Block(cfg, ops, rngs, f'blocks.{i}', cfg.moe.is_moe_layer(i))
                               for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg)
     if not cfg.tie_embeddings:
       self.unembed_dv = _param(rngs, (cfg.d_model, cfg.vocab_size),
                                ('embed', 'vocab'), cfg, cfg.d_model)
 
-  def __call__(self, tokens_bt, positions_bt=None, segments_bt=None):
+  def __call__(self, tokens_bt, positions_bt=None, segments_bt=None, return_aux=False):
+    """Logits; with ``return_aux`` also the MoE aux record, averaged over MoE layers."""
     cfg, ops, dt = self.cfg, self.ops, jnp.dtype(self.cfg.dtype)
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
@@ -224,7 +267,7 @@ class Transformer(nnx.Module):
       segments_bt = jnp.zeros_like(tokens_bt)
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
     x_btd = ops.constrain(x_btd, RESIDUAL)
-    x_btd = self._run_blocks(x_btd, positions_bt, segments_bt)
+    x_btd, aux = self._run_blocks(x_btd, positions_bt, segments_bt)
     x_btd = self.final_norm(x_btd)
     if cfg.tie_embeddings:
       w_dv, eq, w_axes = self.embed_vd[...], 'btd,vd->btv', ('vocab', 'embed')
@@ -233,10 +276,16 @@ class Transformer(nnx.Module):
     logits = ops.einsum(eq, x_btd, w_dv.astype(dt),
                         x_axes=RESIDUAL, w_axes=w_axes,
                         out_axes=('batch', 'length', 'vocab'), name='unembed')
-    return logits.astype(jnp.float32)
+    if not return_aux:
+      return logits.astype(jnp.float32)
+    moe_layers = max(sum(map(cfg.moe.is_moe_layer, range(cfg.num_layers))), 1)
+    return logits.astype(jnp.float32), jax.tree.map(lambda a: a / moe_layers, aux)
 
   def _run_blocks(self, x_btd, positions_bt, segments_bt):
-    """Applies the blocks, as a Python loop or a scan, with optional remat."""
+    """Applies the blocks, as a Python loop or a scan, with optional remat.
+
+    Returns the residual stream and the MoE aux records summed over layers.
+    """
     policy = REMAT_POLICIES[self.cfg.remat]
 
     def apply(graphdef, state, x):
@@ -244,15 +293,21 @@ class Transformer(nnx.Module):
 
     if self.cfg.remat != 'none':
       apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))
+    total = zero_aux(self.cfg.moe.num_experts)
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)
     if self.cfg.scan_layers:
       graphdef, state = nnx.split(self.blocks)
-      x_btd, _ = jax.lax.scan(lambda x, s: (apply(graphdef, s, x), None),
-                              x_btd, state)
-      return x_btd
+
+      def body(carry, s):
+        x, aux = apply(graphdef, s, carry[0])
+        return (x, add(carry[1], aux)), None
+      (x_btd, total), _ = jax.lax.scan(body, (x_btd, total), state)
+      return x_btd, total
     for block in self.blocks:
       graphdef, state = nnx.split(block)
-      x_btd = apply(graphdef, state, x_btd)
-    return x_btd
+      x_btd, aux = apply(graphdef, state, x_btd)
+      total = add(total, aux)
+    return x_btd, total
 
 
 def count_params(state) -> int:

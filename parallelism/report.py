@@ -9,13 +9,16 @@ import dataclasses
 import json
 from typing import Any
 
-from parallelism import einsum_plan
+from parallelism import einsum_plan, moe
 
 
 def rows(decisions: dict[str, Any]) -> list[dict]:
   """Report rows from ``ShardedOps.decisions`` (path -> (Decision, specs))."""
   out = []
   for path, (d, specs) in decisions.items():
+    if isinstance(d, moe.ExchangeDecision):
+      out.append(_exchange_row(path, d, specs))
+      continue
     est = d.estimate
     out.append({
         'path': path,
@@ -30,6 +33,25 @@ def rows(decisions: dict[str, Any]) -> list[dict]:
         'modeled_seconds': est and est.seconds,
     })
   return out
+
+
+def _exchange_row(path: str, d: 'moe.ExchangeDecision', specs) -> dict:
+  """An MoE layer's expert all-to-all (modeled times are for the whole layer)."""
+  return {
+      'path': path,
+      'einsum': 'becd->ebcd (experts)',
+      'sharded_dims': '; '.join(
+          f'{name} ' + (','.join(f'{l}@{"+".join(a)}' for l, a in
+                                 einsum_plan.letter_axes(letters, spec).items() if a) or '-')
+          for name, letters, spec in (('in', 'becd', specs[0]), ('at experts', 'ebcd', specs[1]))),
+      'collective': f'all_to_all over {d.axis}' if d.axis else 'none needed',
+      'decision': d.mode if d.mode == 'single' else f'chunked x{d.chunks}',
+      'reason': d.reason,
+      'left_to_compiler': [],
+      'chunk_shape': list(d.chunk_shape),
+      'modeled_single_us': round(d.seconds['single'] * 1e6, 3),
+      'modeled_chunked_us': round(d.seconds['chunked'] * 1e6, 3),
+  }
 
 
 def _sharded_dims(equation: str, specs) -> str:
@@ -47,8 +69,12 @@ def table(report_rows: list[dict]) -> str:
   head = ('layer', 'einsum', 'sharded dims', 'collective', 'decision', 'step us (modeled)')
   lines = [head]
   for r in report_rows:
-    step = ('-' if r['modeled_step_compute_us'] is None else
-            f"{r['modeled_step_compute_us']:.1f} / {r['modeled_step_transfer_us']:.1f}")
+    if 'modeled_single_us' in r:
+      step = f"layer {r['modeled_single_us']:.1f} single / {r['modeled_chunked_us']:.1f} chunked"
+    elif r['modeled_step_compute_us'] is None:
+      step = '-'
+    else:
+      step = f"{r['modeled_step_compute_us']:.1f} / {r['modeled_step_transfer_us']:.1f}"
     lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], r['decision'],
                   step))
   widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]

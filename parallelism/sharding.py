@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops
+from parallelism import moe
 from parallelism.collective_einsum import explain, run_decision
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -157,6 +159,18 @@ class ShardedOps(Ops):
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       return run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
                           rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll)
+
+  def experts(self, x_becd, expert_fn, *, chunks, flops, name):
+    """The expert all-to-all, single or chunked as parallelism/moe.py decides."""
+    dispatched, at_experts = self.spec(DISPATCHED), self.spec(AT_EXPERTS)
+    axis = at_experts[0] if isinstance(at_experts[0], str) else None
+    if axis is not None and self.mesh.shape[axis] > 1:
+      moe.check_layout(axis, dispatched, at_experts)
+    decision = moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis, chunks,
+                          self.policy.collective_matmul, self.policy.hardware)
+    self.decisions[name] = (decision, (dispatched, at_experts))
+    with jax.named_scope(name):
+      return moe.run(decision, x_becd, expert_fn, self.mesh, dispatched, at_experts)
 
   def _decide(self, equation, x, w, specs):
     decide = lambda mode: explain(

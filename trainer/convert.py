@@ -479,6 +479,8 @@ def cmd_export(args) -> int:
     model_config, params = checkpoint.read_params(args.checkpoint)
     cfg = TransformerConfig.from_config(model_config)
     cfg.validate()
+    if cfg.moe.enabled:
+      raise ValueError('a Mixture-of-Experts model has no Llama equivalent to export to')
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ConvertError(f'cannot read params from {args.checkpoint}: '
                        f'{str(e).splitlines()[0] if str(e) else repr(e)}') from None

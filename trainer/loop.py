@@ -253,9 +253,13 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
       f'device ({peak_source})')
   # Tracing the step recorded every dense layer's decision in `ops`.
   layer_rows = report.rows(ops.decisions)
-  decomposed = sum(r['decision'] != 'none' for r in layer_rows)
+  dense = [r for r in layer_rows if 'modeled_single_us' not in r]
+  exchanges = [r for r in layer_rows if 'modeled_single_us' in r]
+  decomposed = sum(r['decision'] != 'none' for r in dense)
+  chunked = sum(r['decision'] != 'single' for r in exchanges)
+  moe_note = f', {chunked}/{len(exchanges)} expert all-to-alls chunked' if exchanges else ''
   log(f'parallelism: collective_matmul={ops.policy.collective_matmul}, '
-      f'{decomposed}/{len(layer_rows)} dense layers decomposed (step times modeled for '
+      f'{decomposed}/{len(dense)} dense layers decomposed{moe_note} (times modeled for '
       f'{ops.policy.hardware})\n{report.table(layer_rows)}')
   if write_report:
     report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, ops.policy)
@@ -276,6 +280,9 @@ def _train_record(window, lr, tokens_per_step, flops_tok, peak, num_devices) -> 
       'mfu': flops_per_device / peak,
       **({'skipped': int(sum(o['skipped'] for o, _ in window))} if 'skipped' in window[0][0]
          else {}),
+      # MoE: aux losses, dropped fraction and per-expert load, averaged over the window
+      **{k: np.mean([o[k] for o, _ in window], axis=0).tolist()
+         for k in window[0][0] if k.startswith('moe_')},
   }
 
 

@@ -6,7 +6,9 @@ FLOPs per trained token (forward + backward = 3x forward):
 
 N_matmul counts the weights used in matmuls (attention and MLP projections and
 the output layer; the embedding lookup is a gather, not a matmul, unless tied,
-where the shared matrix is counted once as the output layer). The second term
+where the shared matrix is counted once as the output layer). An MoE layer
+counts its router and the ``top_k`` experts a token uses (active parameters);
+the dispatch and combine einsums and padded capacity slots are not counted. The second term
 is attention: per layer and token, QK^T and AV cost 2 * T * n * h FLOPs each
 over all T keys; with the causal mask each (query, key) pair is counted once,
 i.e. half of that, and x3 for training gives 6 * T * n * h.
@@ -28,9 +30,13 @@ from models.transformer import TransformerConfig
 
 
 def matmul_params(cfg: TransformerConfig) -> int:
+  """Weights a token multiplies by (active parameters for MoE layers)."""
   d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-  per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
-  return cfg.num_layers * per_layer + d * cfg.vocab_size
+  attention = d * n * h * 2 + d * k * h * 2
+  moe = cfg.moe
+  moe_mlp = d * moe.num_experts + moe.top_k * 3 * d * moe.mlp_dim
+  mlps = sum(moe_mlp if moe.is_moe_layer(i) else 3 * d * f for i in range(cfg.num_layers))
+  return cfg.num_layers * attention + mlps + d * cfg.vocab_size
 
 
 def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
@@ -82,6 +88,9 @@ class MetricsWriter:
     for key, value in record.items():
       if key != 'step' and isinstance(value, (int, float)):
         self._tb.add_scalar(key, value, step)
+      elif isinstance(value, list):  # e.g. moe_expert_load: one scalar per expert
+        for i, v in enumerate(value):
+          self._tb.add_scalar(f'{key}/{i}', v, step)
     self._tb.flush()
     self._show(step, {k: (float(v) if isinstance(v, str) else v) for k, v in record.items()})
 

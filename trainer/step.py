@@ -38,9 +38,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
-    logits = model(batch['inputs'], batch['positions'], batch['segments'])
+    logits, aux = model(batch['inputs'], batch['positions'], batch['segments'],
+                        return_aux=True)
     total, (ce, _) = cross_entropy(logits, batch['targets'], z_loss)
-    return total, ce
+    moe = model.cfg.moe
+    if moe.enabled:
+      total += (moe.load_balance_weight * aux['load_balance_loss']
+                + moe.router_z_weight * aux['router_z_loss'])
+    return total, (ce, aux if moe.enabled else {})
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -49,22 +54,25 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         lambda x: x.reshape((accum_steps, -1) + x.shape[1:]), batch)
 
     def body(carry, mb):
-      (_, ce), grads = grad_fn(params, mb)
-      return jax.tree.map(jnp.add, carry, (ce, grads)), None
+      (_, stats), grads = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, (stats, grads)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (ce, grads), _ = jax.lax.scan(body, zeros, micro)
-    return ce / accum_steps, jax.tree.map(lambda g: g / accum_steps, grads)
+    stats_shape = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro)))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                         (stats_shape[0][1], stats_shape[1]))
+    (stats, grads), _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda x: x / accum_steps, (stats, grads))
 
   def train_step(state: TrainState, batch):
     if accum_steps == 1:
-      (_, ce), grads = grad_fn(state.params, batch)
+      (_, (ce, moe_stats)), grads = grad_fn(state.params, batch)
     else:
-      ce, grads = accumulate(state.params, batch)
+      (ce, moe_stats), grads = accumulate(state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
-    metrics = {'loss': ce, 'grad_norm': grad_norm}
+    metrics = {'loss': ce, 'grad_norm': grad_norm,
+               **{f'moe_{k}': v for k, v in moe_stats.items()}}
     if skip_nonfinite:
       ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)

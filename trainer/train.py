@@ -62,7 +62,7 @@ def _prepare(cfg, args) -> Run:
   from models.transformer import TransformerConfig  # pylint: disable=g-import-not-at-top
   from parallelism import hardware, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from trainer import data  # pylint: disable=g-import-not-at-top
-  model_cfg = TransformerConfig.from_config(cfg.model)
+  model_cfg = TransformerConfig.from_config(cfg.model, cfg.moe)
   model_cfg.validate()
   hardware.get_profile(cfg.hardware.name)
   sharding.MatmulPolicy.from_config(cfg).validate()

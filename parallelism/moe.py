@@ -1,0 +1,131 @@
+"""Expert parallelism: the all-to-all around expert FFNs, whole or in chunks.
+
+Tokens dispatched to expert slots, ``[batch, exp, capacity, embed]``, are laid
+out by batch: the ``batch`` rule includes the expert mesh axis (last), so each
+device holds whole groups. The experts need ``[exp, batch, capacity, embed]``
+with ``exp`` on that axis. ``exchange`` moves between the two with one
+``all_to_all`` over the expert axis inside a ``shard_map``, and back the same
+way after the experts ran.
+
+Decomposed (``chunked``): the capacity slots are split into C chunks and each
+chunk is exchanged, computed and exchanged back on its own, so the all-to-all of
+chunk i+1 can overlap the expert compute of chunk i (and the return of chunk i
+the compute of chunk i+1). Routing happened before, on whole groups, so the
+chunks only split work that is already assigned: results equal the single
+exchange up to float summation order (none here: each slot is computed once).
+
+Modeled time (``estimate``), per device, with ``B`` the bytes of one device's
+dispatched tokens, ``n`` the expert-axis size and ``T_c`` the expert FLOPs over
+peak:
+
+* one all-to-all: ``a = B (n-1)/n / (link bandwidth x links) + latency``;
+* ``single``: ``2a + T_c``;
+* ``chunked`` with C chunks, asynchronous collectives: a three-stage pipeline
+  whose link is shared by both exchanges,
+  ``(2a + T_c) / C + (C-1)/C x max(T_c, 2a) + 2 (C-1) latency``;
+  without asynchronous collectives: ``2a + T_c + 2 (C-1) latency``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from parallelism import hardware as hw
+from parallelism.cost_model import CPU_NOMINAL_FLOPS
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeDecision:
+  """How one MoE layer's expert all-to-all runs, and why."""
+  mode: str                 # single | chunked
+  chunks: int
+  axis: str | None          # the expert mesh axis (None: no expert parallelism)
+  chunk_shape: tuple        # global [exp, batch, capacity chunk, embed] per exchange
+  seconds: dict             # modeled seconds per mode (per device)
+  hardware: str
+  reason: str
+
+
+def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: int,
+             chunks: int, hardware: str) -> dict[str, float]:
+  """Modeled seconds of ``single`` and ``chunked`` (see the module docstring)."""
+  profile = hw.get_profile(hardware)
+  link = profile.link_bandwidth * profile.ring_links
+  a = math.prod(shape_becd) * itemsize / devices * (n - 1) / n / link + profile.step_latency
+  t_c = expert_flops / devices / (profile.peak_flops or CPU_NOMINAL_FLOPS)
+  single = 2 * a + t_c
+  extra = 2 * (chunks - 1) * profile.step_latency
+  if profile.async_collectives:
+    chunked = single / chunks + (chunks - 1) / chunks * max(t_c, 2 * a) + extra
+  else:
+    chunked = single + extra
+  return {'single': single, 'chunked': chunked}
+
+
+def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, setting: str,
+           hardware: str) -> ExchangeDecision:
+  """Applies ``parallelism.collective_matmul`` (never | always | auto) to one layer."""
+  n = mesh.shape[axis] if axis else 1
+  b, e, c, d = shape_becd
+  chunk_shape = lambda k: (e, b, c // k, d)
+  seconds = estimate(shape_becd, itemsize, expert_flops, mesh.size, n, chunks, hardware)
+  if n == 1:
+    return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
+                            'no expert parallelism: no all-to-all')
+  if setting == 'never' or chunks == 1:
+    why = 'collective_matmul="never"' if setting == 'never' else 'moe.overlap_chunks=1'
+    return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware, why)
+  if setting == 'always':
+    return ExchangeDecision('chunked', chunks, axis, chunk_shape(chunks), seconds, hardware,
+                            'collective_matmul="always"')
+  mode = min(seconds, key=seconds.get)
+  k = chunks if mode == 'chunked' else 1
+  return ExchangeDecision(mode, k, axis, chunk_shape(k), seconds, hardware,
+                          f'cost model ({hardware}) picks {mode}')
+
+
+def exchange(x, mesh, axis: str, in_spec: PartitionSpec, out_spec: PartitionSpec):
+  """Swaps dims 0 and 1 and moves ``axis`` from dim 0 to dim 1: one all-to-all.
+
+  ``[batch, exp, ...]`` sharded by batch (``axis`` last) -> ``[exp, batch, ...]``
+  with exp on ``axis``; called with the specs swapped, it goes back.
+  """
+  def swap(xl):
+    y = jax.lax.all_to_all(xl, axis, split_axis=1, concat_axis=0, tiled=True)
+    return jnp.swapaxes(y, 0, 1)
+  return jax.shard_map(swap, mesh=mesh, in_specs=in_spec, out_specs=out_spec)(x)
+
+
+def check_layout(axis: str, dispatched: PartitionSpec, at_experts: PartitionSpec) -> None:
+  """Raises ValueError unless the two layouts are what ``exchange`` moves between."""
+  as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
+  batch_in, exp_at = as_tuple(dispatched[0]), as_tuple(at_experts[0])
+  batch_at = as_tuple(at_experts[1])
+  if (exp_at != (axis,) or not batch_in or batch_in[-1] != axis
+      or batch_in[:-1] != batch_at or as_tuple(dispatched[1])):
+    raise ValueError(
+        f'expert parallelism over {axis!r} needs the batch rule to end with {axis!r} and a '
+        f'second batch rule without it (e.g. [batch, [data, fsdp, {axis}]], [batch, '
+        f'[data, fsdp]], [exp, {axis}]); got dispatched tokens {dispatched} and expert '
+        f'inputs {at_experts}')
+
+
+def run(decision: ExchangeDecision, x_becd, expert_fn, mesh, dispatched: PartitionSpec,
+        at_experts: PartitionSpec):
+  """Runs ``expert_fn`` on ``x_becd`` as ``decision`` says; returns ``[batch, exp, c, d]``."""
+  put = lambda v, spec: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
+  if decision.axis is None or mesh.shape[decision.axis] == 1:
+    return jnp.swapaxes(expert_fn(jnp.swapaxes(x_becd, 0, 1)), 0, 1)
+  outs = []
+  for x_chunk in jnp.split(put(x_becd, dispatched), decision.chunks, axis=2):
+    with jax.named_scope(f'moe_chunk{len(outs)}'):
+      x_ebcd = exchange(x_chunk, mesh, decision.axis, dispatched, at_experts)
+      y_ebcd = expert_fn(x_ebcd)
+      outs.append(exchange(put(y_ebcd, at_experts), mesh, decision.axis, at_experts,
+                           dispatched))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)

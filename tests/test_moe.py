@@ -1,0 +1,166 @@
+"""Mixture of Experts: routing, capacity, aux losses, and the expert all-to-all."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.moe import MoeConfig, MoeMlp, route
+from models.ops import Ops
+from models.transformer import RESIDUAL
+from parallelism import mesh as mesh_lib, sharding
+from tests.conftest import ROOT
+from trainer import train
+
+D, T, B = 16, 32, 8  # embed, tokens per sequence (group), sequences
+RULES = sharding.normalize_rules([['batch', ['data', 'fsdp', 'expert']],
+                                  ['batch', ['data', 'fsdp']], ['exp', 'expert'],
+                                  ['mlp', 'tensor']])
+MOE_SMALL = os.path.join(ROOT, 'configs', 'moe_small.py')
+
+
+def _mesh(**sizes):
+  full = dict(data=1, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1,
+              dcn_expert=1)
+  return mesh_lib.make_mesh({**full, **sizes})
+
+
+def _layer(moe: MoeConfig, ops=None, seed=0):
+  return MoeMlp(moe, D, 2, 'float32', 'float32', ops or Ops(), nnx.Rngs(seed))
+
+
+def _apply(layer, params, x, ops):
+  """Output and parameter gradients of a scalar function of the layer's output."""
+  graphdef, _ = nnx.split(layer)
+
+  def f(params, x):
+    model = nnx.merge(graphdef, params)
+    model.ops = ops
+    y, aux = model(x, RESIDUAL)
+    return jnp.sum(jnp.sin(y)) + aux['load_balance_loss'], (y, aux)
+
+  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params, x)
+  return jax.block_until_ready((y, aux, grads))
+
+
+def _x(seed=1):
+  return jax.random.normal(jax.random.key(seed), (B, T, D), jnp.float32)
+
+
+@pytest.mark.parametrize('policy, chunks', [('never', 1), ('always', 2), ('always', 4)])
+@pytest.mark.parametrize('sizes', [dict(data=2, expert=4), dict(expert=2, tensor=2, data=2)],
+                         ids=['data2xexpert4', 'expert2xtensor2'])
+def test_expert_parallel_equals_single_device(devices, sizes, policy, chunks):
+  moe = MoeConfig(num_experts=8, top_k=2, mlp_dim=32, overlap_chunks=chunks)
+  layer = _layer(moe)
+  params = nnx.state(layer)
+  ref_y, ref_aux, ref_grads = _apply(layer, params, _x(), Ops())
+  ops = sharding.ShardedOps(_mesh(**sizes), RULES, sharding.MatmulPolicy(policy))
+  y, aux, grads = _apply(layer, params, _x(), ops)
+  np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
+  for k in aux:
+    np.testing.assert_allclose(aux[k], ref_aux[k], rtol=1e-5, atol=1e-6)
+  for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
+  decision, _ = ops.decisions['moe.exchange']
+  assert (decision.mode, decision.chunks) == (('single', 1) if policy == 'never'
+                                              else ('chunked', chunks))
+
+
+def test_chunked_routes_identically_and_splits_the_all_to_all(devices):
+  mesh = _mesh(data=2, expert=4)
+  moe = MoeConfig(num_experts=8, top_k=2, mlp_dim=32, overlap_chunks=4)
+  layer = _layer(moe)
+  graphdef, params = nnx.split(layer)
+  out, hlo = {}, {}
+  for policy in ('never', 'always'):
+    ops = sharding.ShardedOps(mesh, RULES, sharding.MatmulPolicy(policy))
+
+    def f(params, x, ops=ops):
+      model = nnx.merge(graphdef, params)
+      model.ops = ops
+      return model(x, RESIDUAL)
+    compiled = jax.jit(f).lower(params, _x()).compile()
+    hlo[policy] = compiled.as_text()
+    out[policy] = jax.block_until_ready(compiled(params, _x()))
+  (y1, aux1), (y4, aux4) = out['never'], out['always']
+  for k in aux1:  # routing happens once, before chunking
+    np.testing.assert_array_equal(aux1[k], aux4[k])
+  np.testing.assert_allclose(y4, y1, rtol=1e-5, atol=1e-6)
+  count = lambda text: sum(' all-to-all(' in line or 'all-to-all-start(' in line
+                           for line in text.splitlines())
+  assert count(hlo['never']) == 2   # dispatch and combine
+  assert count(hlo['always']) == 8  # both, for each of 4 chunks
+
+
+def test_capacity_drops_by_formula_and_dropless_drops_nothing():
+  # A router of zeros ties every expert; top-1 then picks expert 0 for every token.
+  for dropless in (False, True):
+    moe = MoeConfig(num_experts=4, top_k=1, mlp_dim=32, capacity_factor=1.0,
+                    dropless=dropless, overlap_chunks=1)
+    layer = _layer(moe)
+    layer.router_de[...] = jnp.zeros_like(layer.router_de[...])
+    x = _x()
+    y, aux = layer(x, RESIDUAL)
+    capacity = T if dropless else math.ceil(1.0 * T * 1 / 4)
+    assert moe.capacity(T) == capacity
+    np.testing.assert_allclose(aux['dropped_fraction'], 1 - capacity / T, atol=1e-7)
+    np.testing.assert_allclose(aux['expert_load'], [1, 0, 0, 0])
+    # kept tokens: gate 1/E times expert 0's SwiGLU; dropped tokens: 0.
+    w = lambda p: p[...][0]
+    expert0 = (jax.nn.silu(x @ w(layer.gate_edf)) * (x @ w(layer.up_edf))) @ w(layer.down_efd)
+    np.testing.assert_allclose(y[:, :capacity], expert0[:, :capacity] / 4, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(y[:, capacity:], 0.0)
+
+
+def test_capacity_is_a_multiple_of_the_chunks():
+  moe = MoeConfig(num_experts=8, top_k=2, capacity_factor=1.25, overlap_chunks=4)
+  assert moe.capacity(100) == 32  # ceil(1.25 * 100 * 2 / 8) = 32
+  assert MoeConfig(num_experts=8, top_k=2, overlap_chunks=3).capacity(100) == 33
+
+
+def test_aux_losses_match_a_hand_computed_example():
+  # Two tokens, two experts; probabilities (1/4, 3/4) for both: both pick expert 1.
+  logits = jnp.log(jnp.array([[[1.0, 3.0], [1.0, 3.0]]]))
+  r = route(logits, top_k=1, capacity=2)
+  # f = (0, 1), P = (1/4, 3/4): E * sum f P = 2 * 3/4.
+  np.testing.assert_allclose(r.load_balance_loss, 1.5, rtol=1e-6)
+  # logsumexp(log 1, log 3) = log 4 for both tokens.
+  np.testing.assert_allclose(r.router_z_loss, np.log(4.0) ** 2, rtol=1e-6)
+  np.testing.assert_allclose(r.load_e, [0.0, 1.0])
+  # top-1 gate is the probability itself; token 0 in slot 0, token 1 in slot 1.
+  np.testing.assert_allclose(r.combine_btec[0, :, 1], [[0.75, 0], [0, 0.75]], rtol=1e-6)
+  np.testing.assert_allclose(r.dropped, 0.0)
+  # capacity 1: the second token is dropped.
+  np.testing.assert_allclose(route(logits, 1, 1).dropped, 0.5)
+
+
+def test_top2_gates_are_renormalized():
+  logits = jnp.log(jnp.array([[[1.0, 2.0, 5.0]]]))  # probs 1/8, 2/8, 5/8
+  r = route(logits, top_k=2, capacity=1)
+  np.testing.assert_allclose(r.combine_btec[0, 0, :, 0], [0, 2 / 7, 5 / 7], rtol=1e-6)
+
+
+def test_moe_small_trains_through_the_cli(tmp_path, capsys):
+  workdir = tmp_path / 'moe'
+  code = train.main(['--config', MOE_SMALL, '--workdir', str(workdir), '--config.steps=30',
+                     '--config.seq_len=64', '--config.log_every=5', '--config.eval_every=0',
+                     '--config.eval_steps=2', '--config.checkpoint.every=0'])
+  assert code == 0
+  assert '2/2 expert all-to-alls chunked' in capsys.readouterr().out
+  with open(workdir / 'metrics.jsonl') as f:
+    records = [r for r in map(json.loads, f) if 'loss' in r]
+  assert records[-1]['loss'] < records[0]['loss'] - 0.5
+  load = records[-1]['moe_expert_load']
+  assert len(load) == 8 and abs(sum(load) - 1) < 1e-5
+  assert 0 <= records[-1]['moe_dropped_fraction'] < 0.5
+  assert 0.5 < records[-1]['moe_load_balance_loss'] < 4.0  # 1 when perfectly balanced
+  with open(workdir / 'parallelism_report.json') as f:
+    rows = {r['path']: r for r in json.load(f)['layers']}
+  assert rows['blocks.1.moe.exchange']['decision'] == 'chunked x2'
+  assert rows['blocks.1.moe.exchange']['collective'] == 'all_to_all over expert'
