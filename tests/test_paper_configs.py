@@ -1,0 +1,47 @@
+"""Paper-scale configs, shape only: parameter counts, layouts and their TPU slices."""
+
+import os
+import re
+
+import pytest
+from flax import nnx
+
+from launch import aot
+from models.transformer import Transformer, TransformerConfig, count_params
+from parallelism import mesh as mesh_lib
+from tests.conftest import ROOT
+from trainer import config as config_lib
+
+# configs/<name>.py; the size in the name (10b, 1t) is what the count must match.
+CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b']
+
+
+def _load(name):
+  return config_lib.load(os.path.join(ROOT, 'configs', f'{name}.py'))
+
+
+def _named_size(name: str) -> float:
+  number, unit = re.search(r'(\d+)([bt])$', name).groups()
+  return float(number) * {'b': 1e9, 't': 1e12}[unit]
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_parameter_count_within_3_percent_of_the_name(name):
+  cfg = _load(name)
+  model_cfg = TransformerConfig.from_config(cfg.model)
+  # Abstract: shapes only, nothing allocated (as trainer/train.py checks a config).
+  params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
+  count = count_params(params)
+  assert abs(count / _named_size(name) - 1) <= 0.03, f'{name}: {count:,} parameters'
+
+
+@pytest.mark.parametrize('name', CONFIGS)
+def test_runs_as_a_user_would_on_its_tpu_slice(name):
+  cfg = _load(name)
+  assert cfg.hardware.name == 'tpu_v4'
+  assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.remat) == ('bfloat16', True, 'full')
+  chip, chips = aot.parse_topology(cfg.aot.topology)
+  assert chip.profile == cfg.hardware.name
+  sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)  # raises unless the mesh covers the slice
+  assert sizes['tensor'][1] > 1 and sizes['fsdp'][1] > 1
+  assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0
