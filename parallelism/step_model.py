@@ -1,0 +1,657 @@
+"""A modeled step time from a compiled, scheduled XLA program (TPU HLO text).
+
+``compiled.cost_analysis()`` gives whole-program totals only: it counts a loop
+body once, whatever its trip count, and ignores communication. This model
+reads the scheduled program text (``compiled.as_text()``) instead and walks it
+in schedule order, as the chip runs it. Every number it gives is modeled, not
+measured.
+
+Per instruction:
+
+* **Compute** (fusions, unfused ops): ``max(F / peak_flops, B / hbm_bandwidth)``.
+  ``F`` counts the matmul FLOPs of every dot and convolution inside:
+  ``2 x output elements x contracted elements``, where a convolution's
+  contracted elements are its input features times the window taps that land
+  on real input (the TPU compiler writes batched matmuls as convolutions with
+  padded windows; padding and dilation holes count nothing). Elementwise work
+  is left out. ``B`` is the bytes read and written: operands plus output,
+  except that a fusion parameter that is only sliced counts its slices, and an
+  in-place dynamic-update-slice counts the update, not the whole buffer.
+* **Collectives** over a group of ``G`` chips, with ``L`` links (both
+  directions of the ring in every torus dimension the group spans:
+  ``L = 2 x ring_links x dims``; ``2 x ring_links`` without chip coordinates)
+  of ``link_bandwidth`` bytes/s each:
+  all-gather ``out_bytes (G-1)/G / (L bw)``, reduce-scatter
+  ``in_bytes (G-1)/G / (L bw)``, all-reduce ``2 bytes (G-1)/G / (L bw)``,
+  all-to-all ``bytes (G-1)/G / (L bw)``; plus ``step_latency`` per sequential
+  ring step (``ceil((n-1)/2)`` per spanned dimension of extent ``n``).
+  A collective-permute sends its buffer over one link: ``bytes / bw +
+  step_latency``.
+* **Asynchronous copies and slices** (``copy-start/done``,
+  ``slice-start/done``): ``2 x bytes / hbm_bandwidth``, on DMA engines.
+
+Schedule: a clock ``t`` advances by every compute instruction and every
+synchronous collective (which blocks: all its time is exposed). An
+asynchronous ``*-start`` at ``t`` finishes at ``t + transfer``; its ``*-done``
+waits until then, ``t = max(t, finish)``. A transfer is therefore hidden by
+the compute scheduled between its start and done, and exposed for the rest.
+Transfers in flight together do not slow each other down (optimistic). A
+while loop costs its trip count (the condition's bound minus the counter's
+initial value, or the compiler's ``known_trip_count``) times its body; a
+conditional its slowest branch; a call its callee.
+
+Results: step time (``t`` at the end of the entry computation), compute time,
+communication (the transfer time of all collectives), exposed communication
+(time the clock waited for collectives), and per asynchronous pair the compute
+scheduled between start and done. MFU is the model's FLOPs / (chips x peak x
+step time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Sequence
+
+import numpy as np
+
+from parallelism import hardware
+
+# Data-sheet HBM bandwidth per chip (bytes/s): the memory roofline of compute.
+HBM_BANDWIDTH = {'tpu_v4': 1.2e12, 'tpu_v5p': 2.765e12, 'h100': 3.35e12, 'h200': 4.8e12}
+
+DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2,
+               's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
+               'c128': 16, 's4': 0.5, 'u4': 0.5, 'token': 0}
+FREE = {'parameter', 'get-tuple-element', 'tuple', 'constant', 'bitcast', 'after-all',
+        'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'domain',
+        'async-update', 'send', 'send-done', 'recv', 'recv-done'}
+COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
+               'collective-permute', 'collective-broadcast', 'ragged-all-to-all')
+DMA = ('copy', 'slice')
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """The per-chip rates the model uses."""
+  name: str
+  peak_flops: float      # FLOP/s
+  hbm_bandwidth: float   # bytes/s
+  link_bandwidth: float  # bytes/s, one link, one direction
+  ring_links: int        # links per direction a ring on one torus dimension uses
+  step_latency: float    # seconds per ring step
+
+  @classmethod
+  def from_profile(cls, name: str) -> 'Chip':
+    p = hardware.get_profile(name)
+    if name not in HBM_BANDWIDTH:
+      raise ValueError(f'no HBM bandwidth for hardware profile {name!r}')
+    return cls(name, p.peak_flops, HBM_BANDWIDTH[name], p.link_bandwidth, p.ring_links,
+               p.step_latency)
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list[str]   # names of operand instructions
+  literal: str          # the raw operand text (constants' values)
+  attrs: str            # everything after the operand list
+  root: bool = False
+
+  def attr(self, key: str) -> str | None:
+    m = re.search(rf'\b{key}=(%?[\w.\-]+)', self.attrs)
+    return m and m.group(1).lstrip('%')
+
+  @property
+  def op_name(self) -> str:
+    m = re.search(r'op_name="([^"]*)"', self.attrs)
+    return m.group(1) if m else ''
+
+
+@dataclasses.dataclass
+class Module:
+  computations: dict[str, list[Instr]]
+  entry: str
+  num_partitions: int
+
+
+def _matching(text: str, start: int) -> int:
+  """Index just past the parenthesis group opening at ``text[start]``."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {'(': 1, ')': -1}.get(text[i], 0)
+    if depth == 0:
+      return i + 1
+  raise ValueError(f'unbalanced parentheses: {text[start:start + 80]}')
+
+
+_HEAD = re.compile(r'^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*')
+_ARRAY = re.compile(r'[a-z][a-z0-9]*\[[0-9,]*\](\{[^}]*\})?')
+
+
+def parse_instr(line: str) -> Instr | None:
+  m = _HEAD.match(line)
+  if not m:
+    return None
+  rest = line[m.end():]
+  if rest.startswith('('):
+    end = _matching(rest, 0)
+  else:
+    a = _ARRAY.match(rest)
+    if not a:
+      return None
+    end = a.end()
+  shape, rest = rest[:end], rest[end:].lstrip()
+  op = re.match(r'([\w\-]+)\(', rest)
+  if not op:
+    return None
+  close = _matching(rest, op.end() - 1)
+  inner = re.sub(r'/\*.*?\*/', '', rest[op.end():close - 1])
+  return Instr(m.group(2), shape, op.group(1), re.findall(r'%([\w.\-]+)', inner), inner,
+               rest[close:], bool(m.group(1)))
+
+
+def parse(text: str) -> Module:
+  """Splits HLO text into computations of instructions, in schedule order."""
+  comps, entry, current = {}, None, None
+  parts = re.search(r'num_partitions=(\d+)', text[:20000])
+  for line in text.splitlines():
+    if current is None:
+      m = re.match(r'^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$', line)
+      if m:
+        current = comps.setdefault(m.group(2), [])
+        entry = m.group(2) if m.group(1) else entry
+      continue
+    if line.startswith('}'):
+      current = None
+      continue
+    ins = parse_instr(line)
+    if ins:
+      current.append(ins)
+  if entry is None:
+    raise ValueError('no ENTRY computation in the HLO text')
+  return Module(comps, entry, int(parts.group(1)) if parts else 1)
+
+
+def shape_bytes(shape: str) -> float:
+  return sum(DTYPE_BYTES.get(d, 4) * math.prod(int(x) for x in dims.split(',') if x)
+             for d, dims in re.findall(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]', shape))
+
+
+def shape_dims(shape: str) -> list[int]:
+  m = re.search(r'\[([0-9,]*)\]', shape)
+  return [int(x) for x in m.group(1).split(',') if x] if m else []
+
+
+# ---- FLOPs and bytes of one instruction -------------------------------------------
+
+
+def _window(attrs: str, k: int) -> dict[str, list]:
+  w = {'size': [1] * k, 'stride': [1] * k, 'pad': [(0, 0)] * k, 'lhs_dilate': [1] * k,
+       'rhs_dilate': [1] * k}
+  m = re.search(r'window=\{([^}]*)\}', attrs)
+  for key, value in re.findall(r'(\w+)=([\w\-x_]+)', m.group(1) if m else ''):
+    if key == 'pad':
+      w['pad'] = [tuple(int(v) for v in p.split('_')) for p in value.split('x')]
+    elif key in w:
+      w[key] = [int(v) for v in value.split('x')]
+  return w
+
+
+def _taps(out: int, lhs: int, size: int, stride: int, pad_lo: int, lhs_dil: int,
+          rhs_dil: int) -> int:
+  """(output, window tap) pairs along one spatial dim that read real input."""
+  x = np.arange(out)[:, None] * stride + np.arange(size)[None, :] * rhs_dil - pad_lo
+  return int(np.sum((x >= 0) & (x <= (lhs - 1) * lhs_dil) & (x % lhs_dil == 0)))
+
+
+def conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
+  lhs, rhs = (shape_dims(shapes[o]) for o in ins.operands[:2])
+  out = shape_dims(ins.shape)
+  labels = re.search(r'dim_labels=(\w+)_(\w+)->(\w+)', ins.attrs)
+  lhs_l, rhs_l, out_l = labels.groups()
+  k = sum(c.isdigit() for c in out_l)
+  w = _window(ins.attrs, k)
+  taps, spatial = 1, 1
+  for d in range(k):
+    o = out[out_l.index(str(d))]
+    spatial *= o
+    taps *= _taps(o, lhs[lhs_l.index(str(d))], w['size'][d], w['stride'][d], w['pad'][d][0],
+                  w['lhs_dilate'][d], w['rhs_dilate'][d])
+  return 2.0 * math.prod(out) / spatial * taps * rhs[rhs_l.index('i')]
+
+
+def dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
+  lhs = shape_dims(shapes[ins.operands[0]])
+  m = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}', ins.attrs)
+  contracted = math.prod(lhs[int(c)] for c in m.group(1).split(',') if c) if m else 1
+  return 2.0 * math.prod(shape_dims(ins.shape)) * contracted
+
+
+class _Costs:
+  """FLOPs and bytes of compute instructions, and collective sizes."""
+
+  def __init__(self, module: Module):
+    self.m = module
+    self.shapes = {c: {i.name: i.shape for i in ins} for c, ins in module.computations.items()}
+    self._flops: dict[str, float] = {}
+
+  def flops(self, comp: str) -> float:
+    """Matmul FLOPs of a fused computation (nested fusions included)."""
+    if comp not in self._flops:
+      total = 0.0
+      for ins in self.m.computations.get(comp, []):
+        if ins.opcode == 'convolution':
+          total += conv_flops(ins, self.shapes[comp])
+        elif ins.opcode == 'dot':
+          total += dot_flops(ins, self.shapes[comp])
+        elif ins.opcode == 'fusion':
+          total += self.flops(ins.attr('calls'))
+      self._flops[comp] = total
+    return self._flops[comp]
+
+  def instr_flops(self, ins: Instr, comp: str) -> float:
+    if ins.opcode == 'fusion':
+      return self.flops(ins.attr('calls'))
+    if ins.opcode == 'convolution':
+      return conv_flops(ins, self.shapes[comp])
+    if ins.opcode == 'dot':
+      return dot_flops(ins, self.shapes[comp])
+    return 0.0
+
+  def instr_bytes(self, ins: Instr, comp: str) -> float:
+    shapes = self.shapes[comp]
+    operand = lambda i: shape_bytes(shapes.get(ins.operands[i], '')) if i < len(
+        ins.operands) else 0.0
+    op = ins.opcode
+    if op == 'fusion':
+      return self._fusion_bytes(ins, comp)
+    if op in ('dynamic-slice', 'slice', 'gather'):
+      return 2 * shape_bytes(ins.shape)
+    if op == 'dynamic-update-slice':
+      return 2 * operand(1)
+    if op in ('broadcast', 'iota'):
+      return shape_bytes(ins.shape)
+    if op == 'custom-call' and re.search(r'custom_call_target="\w*Bitcast"', ins.attrs):
+      return 0.0  # reinterprets buffers the async slices already wrote
+    return sum(operand(i) for i in range(len(ins.operands))) + shape_bytes(ins.shape)
+
+  def _fusion_bytes(self, ins: Instr, comp: str) -> float:
+    fused = self.m.computations.get(ins.attr('calls'), [])
+    by_name = {i.name: i for i in fused}
+    params = {int(i.literal): i for i in fused if i.opcode == 'parameter'}
+    users: dict[str, list[Instr]] = {}
+    for i in fused:
+      for o in i.operands:
+        users.setdefault(o, []).append(i)
+    written, in_place = 0.0, set()
+    root = next((i for i in fused if i.root), None)
+    outs = [by_name[o] for o in root.operands] if root and root.opcode == 'tuple' else [root]
+    for out in filter(None, outs):
+      target = out.operands and by_name.get(out.operands[0])
+      while target is not None and target.opcode == 'bitcast':
+        target = by_name.get(target.operands[0])
+      if out.opcode == 'dynamic-update-slice' and target is not None and \
+          target.opcode == 'parameter':
+        in_place.add(target.name)
+        written += shape_bytes(by_name[out.operands[1]].shape)
+      else:
+        written += shape_bytes(out.shape)
+    read = 0.0
+    for k, name in enumerate(ins.operands):
+      p = params.get(k)
+      if p is None:
+        read += shape_bytes(self.shapes[comp].get(name, ''))
+        continue
+      if p.name in in_place:
+        continue
+      uses = users.get(p.name, [])
+      if uses and all(u.opcode in ('dynamic-slice', 'slice', 'gather') and
+                      u.operands[0] == p.name for u in uses):
+        read += sum(shape_bytes(u.shape) for u in uses)
+      else:
+        read += shape_bytes(p.shape)
+    return read + written
+
+  def collective_in(self, ins: Instr) -> Instr | None:
+    """The collective a fusion or async wrapper runs, if any."""
+    if ins.opcode.removesuffix('-start') in COLLECTIVES:
+      return ins
+    callee = ins.attr('calls')
+    if ins.opcode in ('fusion', 'async-start') and callee:
+      return next((i for i in self.m.computations.get(callee, [])
+                   if i.opcode.removesuffix('-start') in COLLECTIVES), None)
+    return None
+
+
+# ---- collectives ------------------------------------------------------------------
+
+
+def _iota(dims, perm=None) -> np.ndarray:
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in re.findall(r'\d+', text)]
+
+
+def first_group(attrs: str, num_partitions: int) -> list[int]:
+  """The first device group of a collective, in any of XLA's printed formats."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", attrs)
+  if m:
+    names = re.findall(r"'(\w+)'=", m.group(1))
+    sizes = [int(x) for x in re.findall(r"'\w+'=(\d+)", m.group(1))]
+    devices = (_iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3))).ravel()
+               if m.group(2) else np.arange(math.prod(sizes)))
+    over = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
+    rest = [i for i in range(len(sizes)) if i not in over]
+    grid = devices.reshape(sizes).transpose(rest + over)
+    return grid.reshape(-1, math.prod(sizes[a] for a in over))[0].tolist()
+  m = re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', attrs)
+  if m:
+    shape = _ints(m.group(1))
+    return _iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3))).reshape(
+        shape[0], -1)[0].tolist()
+  m = re.search(r'replica_groups=\{\{([\d,]*)\}', attrs)
+  if m:
+    return _ints(m.group(1))
+  return list(range(num_partitions))
+
+
+def _span(group: Sequence[int], coords) -> list[int]:
+  """Extents of the group along each torus dimension it spans."""
+  if coords is None or len(group) < 2:
+    return [len(group)] if len(group) > 1 else []
+  points = np.array([coords[d] for d in group])
+  return [len(set(points[:, k])) for k in range(points.shape[1])
+          if len(set(points[:, k])) > 1]
+
+
+def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: int,
+                       coords=None) -> float:
+  kind = ins.opcode.removesuffix('-start')
+  out_bytes = shape_bytes(ins.shape)
+  if kind == 'collective-permute':
+    if ins.opcode.endswith('-start'):  # (operand, output, contexts...): one buffer moves
+      out_bytes = in_bytes
+    return out_bytes / chip.link_bandwidth + chip.step_latency
+  group = first_group(ins.attrs, num_partitions)
+  g = len(group)
+  if g < 2:
+    return 0.0
+  extents = _span(group, coords)
+  links = 2 * chip.ring_links * max(1, len(extents))
+  steps = sum(math.ceil((n - 1) / 2) for n in extents)
+  moved = {'all-gather': out_bytes if not ins.opcode.endswith('-start') else g * in_bytes,
+           'reduce-scatter': in_bytes, 'all-reduce': 2 * in_bytes}.get(kind, in_bytes)
+  return moved * (g - 1) / g / (links * chip.link_bandwidth) + steps * chip.step_latency
+
+
+# ---- the schedule -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Timeline:
+  """One computation's modeled run (seconds), from its first instruction."""
+  seconds: float = 0.0
+  compute: float = 0.0
+  comm: float = 0.0           # transfer time of all collectives
+  exposed_comm: float = 0.0   # time the clock waited for collectives
+  exposed_dma: float = 0.0    # time the clock waited for async copies and slices
+  flops: float = 0.0
+  hbm_bytes: float = 0.0
+  by_kind: dict = dataclasses.field(default_factory=dict)  # collective -> [count, seconds]
+
+  def add(self, other: 'Timeline', times: float) -> None:
+    for f in ('seconds', 'compute', 'comm', 'exposed_comm', 'exposed_dma', 'flops', 'hbm_bytes'):
+      setattr(self, f, getattr(self, f) + times * getattr(other, f))
+    for k, (n, s) in other.by_kind.items():
+      mine = self.by_kind.setdefault(k, [0, 0.0])
+      mine[0] += times * n
+      mine[1] += times * s
+
+  def count(self, kind: str, seconds: float) -> None:
+    mine = self.by_kind.setdefault(kind, [0, 0.0])
+    mine[0] += 1
+    mine[1] += seconds
+
+
+@dataclasses.dataclass
+class Result:
+  """The modeled step of a whole program."""
+  step_seconds: float
+  compute_seconds: float
+  comm_seconds: float
+  exposed_comm_seconds: float
+  exposed_dma_seconds: float
+  flops: float                # matmul FLOPs per chip per step, loops counted
+  hbm_bytes: float
+  collectives: dict           # kind -> {'count', 'seconds'} per step
+  pairs: list[dict]           # asynchronous collectives: start, done, what runs between
+  warnings: list[str]
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+class _Model:
+
+  def __init__(self, module: Module, chip: Chip, coords=None):
+    self.m, self.chip, self.coords = module, chip, coords
+    self.costs = _Costs(module)
+    self.memo: dict[str, Timeline] = {}
+    self.pairs: list[dict] = []
+    self.warnings: list[str] = []
+    self.calls: dict[str, list[tuple[str, float]]] = {}  # callee -> [(caller, times)]
+
+  def run(self, comp: str) -> Timeline:
+    if comp in self.memo:
+      return self.memo[comp]
+    tl = Timeline()
+    instrs = self.m.computations.get(comp, [])
+    by_name = {i.name: i for i in instrs}
+    shapes = self.costs.shapes.get(comp, {})
+    pending: dict[str, dict] = {}
+    for ins in instrs:
+      op = ins.opcode
+      if op in FREE:
+        continue
+      if op.endswith('-start'):
+        self._start(ins, comp, tl, pending, shapes)
+      elif op.endswith('-done'):
+        self._done(ins, tl, pending, by_name)
+      elif op in ('while', 'call', 'conditional'):
+        nested = self._nested(ins, comp, tl)
+        for p in pending.values():
+          p['compute'] += nested.compute
+          if nested.flops:
+            p['einsums'].append(ins.name)
+      elif (coll := self.costs.collective_in(ins)) is not None:
+        s, kind = self._collective_seconds(ins, coll, shapes)
+        tl.seconds += s
+        tl.comm += s
+        tl.exposed_comm += s
+        tl.count(kind, s)
+      else:
+        c, f = self._compute(ins, comp, tl)
+        for p in pending.values():
+          p['compute'] += c
+          if f:
+            p['einsums'].append(ins.name)
+    for p in pending.values():  # never done: wait at the end
+      self.warnings.append(f'{comp}: {p["start"]} has no done')
+    self.memo[comp] = tl
+    return tl
+
+  def _nested(self, ins: Instr, comp: str, tl: Timeline) -> Timeline:
+    """Runs a while loop (trip count x body), a call, or a conditional's slowest branch."""
+    if ins.opcode == 'while':
+      trips = self.trip_count(ins, comp)
+      calls = [(ins.attr('body'), trips), (ins.attr('condition'), trips + 1)]
+    elif ins.opcode == 'call':
+      calls = [(ins.attr('to_apply'), 1)]
+    else:
+      m = re.search(r'branch_computations=\{([^}]*)\}', ins.attrs)
+      branches = re.findall(r'%([\w.\-]+)', m.group(1) if m else ' '.join(
+          filter(None, (ins.attr('true_computation'), ins.attr('false_computation')))))
+      calls = [(max(branches, key=lambda c: self.run(c).seconds), 1)] if branches else []
+    nested = Timeline()
+    for callee, times in calls:
+      self.calls.setdefault(callee, []).append((comp, times))
+      nested.add(self.run(callee), times)
+    tl.add(nested, 1)
+    return nested
+
+  def _compute(self, ins: Instr, comp: str, tl: Timeline) -> tuple[float, float]:
+    f = self.costs.instr_flops(ins, comp)
+    b = self.costs.instr_bytes(ins, comp)
+    c = max(f / self.chip.peak_flops, b / self.chip.hbm_bandwidth)
+    tl.seconds += c
+    tl.compute += c
+    tl.flops += f
+    tl.hbm_bytes += b
+    return c, f
+
+  def _collective_seconds(self, ins: Instr, coll: Instr, shapes) -> tuple[float, str]:
+    """(transfer seconds, kind) of the collective ``ins`` runs (``coll``, maybe inside it)."""
+    in_bytes = sum(shape_bytes(shapes.get(o, '')) for o in ins.operands)
+    if coll is not ins:  # inside a fusion or async wrapper: its own operand shapes
+      inner = self.costs.shapes.get(ins.attr('calls'), {})
+      in_bytes = sum(shape_bytes(inner.get(o, '')) for o in coll.operands)
+      if coll.opcode == 'all-reduce' and shape_bytes(ins.shape) < shape_bytes(coll.shape):
+        coll = dataclasses.replace(coll, opcode='reduce-scatter')  # all-reduce, then a slice
+    kind = coll.opcode.removesuffix('-start') + (' (async)' if ins.opcode.endswith('-start')
+                                                  else ' (fused)' if coll is not ins else '')
+    return collective_seconds(coll, in_bytes, self.chip, self.m.num_partitions,
+                              self.coords), kind
+
+  def _start(self, ins: Instr, comp: str, tl: Timeline, pending, shapes) -> None:
+    kind = ins.opcode.removesuffix('-start')
+    coll = self.costs.collective_in(ins)
+    if coll is not None:
+      s, label = self._collective_seconds(ins, coll, shapes)
+      tl.comm += s
+      tl.count(label, s)
+    else:  # copy-start, slice-start, other async work: a DMA of the result
+      s = 2 * shape_bytes(_tuple_element(ins.shape, 1)) / self.chip.hbm_bandwidth
+      kind = kind if kind in DMA else 'async'
+    pending[ins.name] = {
+        'computation': comp, 'start': ins.name, 'kind': kind, 'collective': coll is not None,
+        'op_name': ins.op_name, 'bytes': sum(shape_bytes(shapes.get(o, '')) for o in
+                                             ins.operands),
+        'transfer_s': s, 'finish': tl.seconds + s, 'started': tl.seconds, 'compute': 0.0,
+        'einsums': []}
+
+  def _done(self, ins: Instr, tl: Timeline, pending, by_name) -> None:
+    start = ins.operands[0] if ins.operands else None
+    while start in by_name and by_name[start].opcode == 'async-update':
+      start = by_name[start].operands[0]
+    p = pending.pop(start, None)
+    if p is None:
+      self.warnings.append(f'{ins.name}: no matching start')
+      return
+    wait = max(0.0, p['finish'] - tl.seconds)
+    tl.seconds += wait
+    if p['collective']:
+      tl.exposed_comm += wait
+    else:
+      tl.exposed_dma += wait
+    if p['collective']:
+      self.pairs.append({
+          'computation': p['computation'], 'start': p['start'], 'done': ins.name,
+          'kind': p['kind'], 'op_name': p['op_name'], 'bytes': p['bytes'],
+          'transfer_us': p['transfer_s'] * 1e6, 'compute_between_us': p['compute'] * 1e6,
+          'exposed_us': wait * 1e6, 'einsums_between': p['einsums']})
+
+  def trip_count(self, ins: Instr, comp: str) -> int:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+    if m:
+      return int(m.group(1))
+    cond = self.m.computations.get(ins.attr('condition'), [])
+    by_name = {i.name: i for i in cond}
+    root = next((i for i in cond if i.root), None)
+    parent = {i.name: i for i in self.m.computations[comp]}
+    try:
+      a, b = (by_name[o] for o in root.operands)
+      direction = re.search(r'direction=(\w+)', root.attrs).group(1)
+      if a.opcode == 'constant':
+        a, b = b, a
+        direction = {'GT': 'LT', 'GE': 'LE', 'LT': 'GT', 'LE': 'GE'}.get(direction, direction)
+      bound = int(b.literal)
+      index = int(re.search(r'index=(\d+)', a.attrs).group(1))
+      init = _constant(parent, parent[ins.operands[0]], index)
+      span = {'LT': bound - init, 'LE': bound - init + 1, 'NE': bound - init}[direction]
+      return max(-(-span // self._increment(ins.attr('body'), index)), 0)
+    except (AttributeError, KeyError, StopIteration, TypeError, ValueError, IndexError):
+      self.warnings.append(f'{ins.name}: trip count not found, counted once')
+      return 1
+
+  def _increment(self, body: str, index: int) -> int:
+    """How much the loop counter (tuple element ``index``) grows per iteration."""
+    instrs = self.m.computations.get(body, [])
+    by_name = {i.name: i for i in instrs}
+    root = next((i for i in instrs if i.root), None)
+    x = by_name.get(root.operands[index]) if root and root.opcode == 'tuple' else None
+    if x is not None and x.opcode == 'add':
+      for o in x.operands:
+        c = by_name.get(o)
+        while c is not None and c.opcode in ('copy', 'bitcast', 'convert'):
+          c = by_name.get(c.operands[0])
+        if c is not None and c.opcode == 'constant' and re.fullmatch(r'-?\d+', c.literal):
+          return max(int(c.literal), 1)
+    return 1
+
+  def executions(self) -> dict[str, float]:
+    """How many times each computation runs per step."""
+    out: dict[str, float] = {}
+
+    def count(c: str) -> float:
+      if c == self.m.entry:
+        return 1.0
+      if c not in out:
+        out[c] = 0.0  # guards recursion
+        out[c] = sum(count(caller) * t for caller, t in self.calls.get(c, []))
+      return out[c]
+
+    return {c: count(c) for c in self.m.computations}
+
+
+def _tuple_element(shape: str, k: int) -> str:
+  parts = re.findall(r'[a-z][a-z0-9]*\[[0-9,]*\]', shape)
+  return parts[k] if len(parts) > k else (parts[0] if parts else '')
+
+
+def _constant(instrs: dict[str, Instr], tup: Instr, index: int) -> int:
+  """The integer the ``index``-th element of a while's initial tuple starts at."""
+  x = instrs[tup.operands[index]] if tup.opcode == 'tuple' else None
+  while x is not None and x.opcode in ('copy', 'bitcast', 'convert'):
+    x = instrs.get(x.operands[0])
+  if x is None or x.opcode != 'constant':
+    raise ValueError('not a constant')
+  return int(x.literal)
+
+
+def analyze(text: str, chip: Chip, coords=None) -> Result:
+  """Models one step of the compiled program ``text`` on ``chip``.
+
+  Args:
+    text: scheduled HLO text (``compiled.as_text()``).
+    chip: the chip's rates (``Chip.from_profile('tpu_v4')``).
+    coords: optional physical coordinates of each partition id (for the torus
+      dimensions a collective's group spans).
+  """
+  module = parse(text)
+  model = _Model(module, chip, coords)
+  tl = model.run(module.entry)
+  runs = model.executions()
+  for p in model.pairs:
+    p['executions'] = runs.get(p['computation'], 0.0)
+  return Result(tl.seconds, tl.compute, tl.comm, tl.exposed_comm, tl.exposed_dma, tl.flops,
+                tl.hbm_bytes, {k: {'count': n, 'seconds': s} for k, (n, s) in
+                               sorted(tl.by_kind.items())},
+                model.pairs, model.warnings)
