@@ -1,0 +1,407 @@
+r"""Compiles the real train step for a TPU slice ahead of time, on this CPU machine.
+
+  python -m launch.aot --config configs/dense_500b.py [--topology v4:8x8x16] \
+      [--variants baseline,xla,ours] [--json] [--hlo_dir DIR] [--config.a.b=value ...]
+
+Needs the ``tpu`` extra (``pip install -e '.[tpu]'``: libtpu, the TPU compiler,
+which runs on CPU). For each variant, in its own process (``LIBTPU_INIT_ARGS``
+is read once per process), the train step of ``trainer/loop.py`` is compiled
+for the topology (default: the config's ``aot.topology``) and reported:
+
+* per-chip memory from ``memory_analysis()``: arguments, outputs,
+  temporaries, and total = arguments + outputs + temporaries - aliased,
+  against the chip's usable HBM, with FITS / DOES NOT FIT;
+* compile time;
+* the decomposed collective einsums (the parallelism report);
+* in the scheduled TPU program, every asynchronous collective-permute
+  start/done pair and the compute scheduled between them;
+* a modeled step time, exposed communication and MFU from the analytical model
+  of parallelism/step_model.py (modeled, not measured).
+
+Variants (``hardware.name`` is set to the topology's chip for all of them):
+
+* ``baseline``: ``collective_matmul=never``, XLA's windowed einsum off
+  (``--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000``): no overlap.
+* ``xla``: ``never`` with default compiler flags: the TPU compiler decomposes
+  some einsums itself (windowed einsum).
+* ``ours``: the config's ``collective_matmul`` (``auto`` when it says
+  ``never``), XLA's windowed einsum off: every collective-permute is ours.
+
+Bad input (config, override, topology, mesh that does not match the chip count)
+exits with status 2 and one line; a failed compile with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+from trainer import config as config_lib
+from trainer.config import ConfigError
+
+GIB = 2 ** 30
+WINDOWED_EINSUM_OFF = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
+INSTALL_HINT = "pip install -e '.[tpu]'"
+# Wang et al., ASPLOS 2023 (abstract), measured on TPU v4 pods.
+PAPER = {'speedup': (1.14, 1.38), 'mfu_500b_1024_chips': 0.72,
+         'source': 'Wang et al., ASPLOS 2023 (measured on TPU v4 pods)'}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipKind:
+  profile: str             # parallelism/hardware.py profile
+  usable_hbm_bytes: float  # what the compiler lets one program use per chip
+  chip_config_name: str
+  chips_per_host_bounds: tuple[int, int, int]
+
+
+# v4: 32 GiB of HBM per chip, of which the compiler gives a program 30.75 GiB.
+CHIPS = {'v4': ChipKind('tpu_v4', 30.75 * GIB, 'megacore', (2, 2, 1))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  name: str
+  collective_matmul: str | None  # None: the config's own setting
+  libtpu_args: str
+  description: str
+
+
+VARIANTS = {
+    'baseline': Variant('baseline', 'never', WINDOWED_EINSUM_OFF,
+                        'collective_matmul=never, XLA windowed einsum off (no overlap)'),
+    'xla': Variant('xla', 'never', '',
+                   "collective_matmul=never, default flags (XLA's own windowed einsum)"),
+    'ours': Variant('ours', None, WINDOWED_EINSUM_OFF,
+                    "the config's collective_matmul (decomposed einsums), XLA windowed "
+                    'einsum off'),
+}
+
+
+def parse_topology(name: str) -> tuple[ChipKind, int]:
+  """``'v4:8x8x16'`` -> (chip kind, number of chips)."""
+  m = re.fullmatch(r'(\w+):(\d+)x(\d+)x(\d+)', name or '')
+  if not m or m.group(1) not in CHIPS:
+    raise ConfigError(f'--topology {name!r} is not of the form <chip>:AxBxC with chip one of '
+                      f'{sorted(CHIPS)} (e.g. v4:8x8x16)')
+  chips = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+  if chips < 1:
+    raise ConfigError(f'--topology {name!r} has no chips')
+  return CHIPS[m.group(1)], chips
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog='python -m launch.aot', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--config', required=True, help='config file, path.py[:arg]')
+  parser.add_argument('--topology', default=None,
+                      help="TPU slice, e.g. v4:8x8x16 (default: the config's aot.topology)")
+  parser.add_argument('--variants', default='baseline,xla,ours',
+                      help=f'comma-separated, of {",".join(VARIANTS)}')
+  parser.add_argument('--json', action='store_true', help='print one JSON object')
+  parser.add_argument('--hlo_dir', default=None,
+                      help='also write each variant\'s scheduled TPU HLO here')
+  parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
+  parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
+  return parser.parse_known_args(argv)
+
+
+def load(args, overrides) -> tuple:
+  """Loads and checks the config and topology; raises ConfigError. No compiling."""
+  cfg = config_lib.load(args.config, overrides)
+  topology = args.topology or cfg.get('aot', {}).get('topology')
+  if not topology:
+    raise ConfigError(f'no --topology given and {args.config} has no aot.topology')
+  chip, chips = parse_topology(topology)
+  variants = [v.strip() for v in args.variants.split(',') if v.strip()]
+  bad = [v for v in variants if v not in VARIANTS]
+  if bad or not variants:
+    raise ConfigError(f'--variants {args.variants!r}: each must be one of {sorted(VARIANTS)}')
+  try:
+    info = _check(cfg, chips)
+  except (KeyError, ValueError) as e:
+    raise ConfigError(str(e).strip('"')) from None
+  return cfg, topology, chip, chips, variants, info
+
+
+def _check(cfg, chips: int) -> dict:
+  """What trainer.train checks before compiling, against the slice's chip count."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from models.transformer import Transformer, TransformerConfig, count_params  # pylint: disable=g-import-not-at-top
+  from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
+  from trainer import metrics  # pylint: disable=g-import-not-at-top
+  model_cfg = TransformerConfig.from_config(cfg.model)
+  model_cfg.validate()
+  sharding.MatmulPolicy.from_config(cfg).validate()
+  if cfg.seq_len > model_cfg.max_seq_len:
+    raise ValueError(f'seq_len={cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}')
+  sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)
+  mesh = types.SimpleNamespace(shape={a: d * i for a, (d, i) in sizes.items()})
+  rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
+  shards = sharding.mesh_axis_size(mesh, sharding.logical_to_spec(('batch',), rules)[0])
+  accum = cfg.optimizer.grad_accum_steps
+  if cfg.batch_size % (shards * accum):
+    raise ValueError(f'batch_size={cfg.batch_size} is not divisible by data*fsdp={shards}'
+                     f' x optimizer.grad_accum_steps={accum}')
+  params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
+  sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
+  return {'parameters': count_params(params),
+          'mesh': ' x '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or '1 chip',
+          'tokens_per_step': cfg.batch_size * cfg.seq_len,
+          'model_flops_per_step': metrics.flops_per_token(model_cfg, cfg.seq_len)
+                                  * cfg.batch_size * cfg.seq_len}
+
+
+# ---- one variant, in its own process ---------------------------------------------
+
+
+def worker(args, overrides) -> int:
+  """Compiles one variant and writes its result as JSON to ``args.out``."""
+  variant = VARIANTS[args.worker]
+  cfg = config_lib.load(args.config, overrides)
+  chip_kind, _ = parse_topology(args.topology)
+  cfg.hardware.name = chip_kind.profile
+  setting = cfg.parallelism.collective_matmul
+  cfg.parallelism.collective_matmul = variant.collective_matmul or (
+      setting if setting != 'never' else 'auto')
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from models.transformer import TransformerConfig  # pylint: disable=g-import-not-at-top
+  from parallelism import mesh as mesh_lib, report, sharding, step_model  # pylint: disable=g-import-not-at-top
+  from trainer import loop  # pylint: disable=g-import-not-at-top
+  out = {'variant': variant.name, 'description': variant.description,
+         'collective_matmul': cfg.parallelism.collective_matmul,
+         'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', '')}
+  try:
+    topo = topologies.get_topology_desc(
+        platform='tpu', topology_name=args.topology, chip_config_name=chip_kind.chip_config_name,
+        chips_per_host_bounds=chip_kind.chips_per_host_bounds, num_slices=1)
+    mesh = mesh_lib.make_mesh(cfg.mesh, topo.devices)
+    rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
+    program = loop.build(cfg, TransformerConfig.from_config(cfg.model), mesh, rules)
+  except (ValueError, RuntimeError) as e:  # a topology the compiler refuses, a bad layout
+    _write(args.out, out | {'error': str(e).splitlines()[0], 'input_error': True})
+    return 0
+  start = time.perf_counter()
+  lowered = program.train_step.lower(program.abstract_state,
+                                     program.abstract_batch(cfg.batch_size, cfg.seq_len))
+  out['layers'] = report.rows(program.ops.decisions)
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except
+    if 'RESOURCE_EXHAUSTED' not in str(e) and 'memory' not in str(e).lower():
+      raise
+    message = ' '.join(str(e).split())
+    usable = re.search(r'available HBM \(([\d.]+)G\)', message)  # the compiler's own figure
+    out['compile_seconds'] = time.perf_counter() - start
+    out['memory'] = {'fits': False, 'compiler_message': message[:2000],
+                     'usable_bytes': float(usable.group(1)) * GIB if usable
+                                     else chip_kind.usable_hbm_bytes}
+    _write(args.out, out)
+    return 0
+  out['compile_seconds'] = time.perf_counter() - start
+  out['memory'] = memory(compiled.memory_analysis(), chip_kind.usable_hbm_bytes)
+  text = compiled.as_text()
+  if args.hlo_dir:
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    with open(os.path.join(args.hlo_dir, f'{variant.name}.hlo.txt'), 'w',
+              encoding='utf-8') as f:
+      f.write(text)
+  chip = step_model.Chip.from_profile(chip_kind.profile)
+  if cfg.hardware.peak_flops > 0:
+    chip = dataclasses.replace(chip, peak_flops=cfg.hardware.peak_flops)
+  result = step_model.analyze(text, chip, [tuple(d.coords) for d in mesh.devices.flat])
+  out['model'] = result.as_dict() | {'chip': dataclasses.asdict(chip)}
+  out['jax'] = jax.__version__
+  _write(args.out, out)
+  return 0
+
+
+def memory(stats, usable: float) -> dict:
+  """Per-chip bytes; total = arguments + outputs + temporaries - aliased."""
+  m = {'arguments': stats.argument_size_in_bytes, 'outputs': stats.output_size_in_bytes,
+       'temporaries': stats.temp_size_in_bytes, 'aliased': stats.alias_size_in_bytes,
+       'generated_code': stats.generated_code_size_in_bytes}
+  m['total'] = m['arguments'] + m['outputs'] + m['temporaries'] - m['aliased']
+  return m | {'usable_bytes': usable, 'fits': m['total'] <= usable}
+
+
+def _write(path: str, obj: dict) -> None:
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(obj, f)
+
+
+def run_variant(args, overrides, name: str, topology: str) -> dict:
+  """Runs ``worker`` for one variant in a fresh process with its compiler flags."""
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}  # TPU, not CPU
+  flags = ' '.join(filter(None, [env.get('LIBTPU_INIT_ARGS', ''),
+                                 VARIANTS[name].libtpu_args]))
+  env['LIBTPU_INIT_ARGS'] = flags
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env['PYTHONPATH'] = os.pathsep.join(filter(None, [root, env.get('PYTHONPATH')]))
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, 'result.json')
+    cmd = [sys.executable, '-m', 'launch.aot', '--config', args.config, '--topology',
+           topology, '--worker', name, '--out', out] + list(overrides)
+    if args.hlo_dir:
+      cmd += ['--hlo_dir', args.hlo_dir]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
+    if proc.returncode or not os.path.exists(out):
+      tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['(no output)']
+      return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): {tail[0]}'}
+    with open(out, encoding='utf-8') as f:
+      return json.load(f)
+
+
+# ---- the summary ------------------------------------------------------------------
+
+
+def summarize(cfg, config_path: str, topology: str, chip: ChipKind, chips: int, info: dict,
+              results: dict) -> dict:
+  """One JSON-able object: memory, layers, permute pairs, modeled times per variant."""
+  from parallelism import hardware  # pylint: disable=g-import-not-at-top
+  peak = cfg.hardware.peak_flops or hardware.get_profile(chip.profile).peak_flops
+  out = {'config': config_path, 'topology': topology, 'chips': chips,
+         'chip': chip.profile, **info, 'variants': {}, 'modeled': {}, 'paper': PAPER}
+  for name, r in results.items():
+    v = {k: r.get(k) for k in ('description', 'collective_matmul', 'libtpu_init_args',
+                               'compile_seconds', 'memory')}
+    if r['memory'] and 'total' in r['memory']:
+      v['memory']['fit'] = 'FITS' if r['memory']['fits'] else 'DOES NOT FIT'
+    elif r['memory']:
+      v['memory']['fit'] = 'DOES NOT FIT'
+    layers = r.get('layers', [])
+    v['decomposed_layers'] = [l['path'] for l in layers if l['decision'] != 'none']
+    v['layers'] = layers
+    model = r.get('model')
+    if model:
+      pairs = [p for p in model['pairs'] if p['kind'] == 'collective-permute']
+      v['permute_pairs'] = {
+          'count': len(pairs),
+          'from_collective_einsum': sum('collective_einsum' in p['op_name'] for p in pairs),
+          'with_compute_between': sum(p['compute_between_us'] > 0 for p in pairs),
+          'pairs': pairs}
+      step = model['step_seconds']
+      out['modeled'][name] = {
+          'step_seconds': step, 'compute_seconds': model['compute_seconds'],
+          'communication_seconds': model['comm_seconds'],
+          'exposed_communication_seconds': model['exposed_comm_seconds'],
+          'exposed_dma_seconds': model['exposed_dma_seconds'],
+          'program_flops_per_chip': model['flops'],
+          'mfu': info['model_flops_per_step'] / (chips * peak * step) if step else None,
+          'collectives': model['collectives'], 'warnings': model['warnings']}
+    out['variants'][name] = v
+  base = out['modeled'].get('baseline')
+  for name, m in out['modeled'].items():
+    m['speedup_vs_baseline'] = base['step_seconds'] / m['step_seconds'] if base else None
+  if 'xla' in out['modeled'] and 'ours' in out['modeled']:
+    out['modeled']['ours']['speedup_vs_xla'] = (out['modeled']['xla']['step_seconds']
+                                                / out['modeled']['ours']['step_seconds'])
+  main = 'ours' if 'ours' in out['variants'] else next(iter(out['variants']))
+  out['fit'] = out['variants'][main]['memory']['fit']
+  return out
+
+
+def _gib(x: float) -> str:
+  return f'{x / GIB:.2f}'
+
+
+def text_report(s: dict, max_pairs: int = 12) -> str:
+  from parallelism import report  # pylint: disable=g-import-not-at-top
+  lines = [f"{s['config']} on TPU {s['topology']} ({s['chips']} chips), mesh {s['mesh']}: "
+           f"{s['parameters']:,} parameters, {s['tokens_per_step']:,} tokens per step",
+           '', 'memory per chip (GiB): total = arguments + outputs + temporaries - aliased']
+  for name, v in s['variants'].items():
+    m = v['memory']
+    if 'total' in m:
+      mem = (f"{_gib(m['arguments'])} + {_gib(m['outputs'])} + {_gib(m['temporaries'])} - "
+             f"{_gib(m['aliased'])} = {_gib(m['total'])} of {_gib(m['usable_bytes'])} usable")
+    else:
+      mem = f"compiler: {m['compiler_message'][:200]}"
+    lines.append(f"  {name:8s} {mem}: {m['fit']}  (compiled in {v['compile_seconds']:.0f} s; "
+                 f"{v['description']})")
+  for name, v in s['variants'].items():
+    if v['decomposed_layers']:
+      lines += ['', f"{name}: decomposed collective einsums, {len(v['decomposed_layers'])} of "
+                    f"{len(v['layers'])} dense layers (parallelism report, per-step times "
+                    'modeled):', report.table(v['layers'])]
+  for name, v in s['variants'].items():
+    pp = v.get('permute_pairs')
+    if not pp:
+      continue
+    lines += ['', f"{name}: {pp['count']} async collective-permute start/done pairs in the "
+                  f"scheduled TPU program ({pp['from_collective_einsum']} from collective_einsum), "
+                  f"{pp['with_compute_between']} with compute scheduled between start and done "
+                  '(times modeled)']
+    head = ('start', 'done', 'runs/step', 'transfer us', 'compute between us', 'exposed us',
+            'einsums between')
+    rows = [head] + [(p['start'], p['done'], f"{p['executions']:.0f}", f"{p['transfer_us']:.1f}",
+                      f"{p['compute_between_us']:.1f}", f"{p['exposed_us']:.1f}",
+                      ', '.join(p['einsums_between'][:3]) or '-')
+                     for p in pp['pairs'][:max_pairs]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ['  ' + '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if len(pp['pairs']) > max_pairs:
+      lines.append(f"  ... {len(pp['pairs']) - max_pairs} more (--json lists all)")
+  if s['modeled']:
+    lines += ['', 'modeled step time (analytical model over the compiled TPU schedule, '
+                  'parallelism/step_model.py; modeled, not measured):',
+              f"  {'variant':8s} {'step s':>8s} {'compute s':>9s} {'comm s':>8s} "
+              f"{'exposed comm s':>14s} {'modeled MFU':>11s} {'modeled speedup':>15s}"]
+    for name, m in s['modeled'].items():
+      speed = f"{m['speedup_vs_baseline']:.3f}x" if m['speedup_vs_baseline'] else '-'
+      lines.append(f"  {name:8s} {m['step_seconds']:8.3f} {m['compute_seconds']:9.3f} "
+                   f"{m['communication_seconds']:8.3f} "
+                   f"{m['exposed_communication_seconds']:14.3f} {m['mfu']:11.1%} {speed:>15s}")
+    lines.append('  (modeled speedup = baseline modeled step time / variant modeled step time)')
+  p = s['paper']
+  lines.append(f"paper ({p['source']}): {p['speedup'][0]}x-{p['speedup'][1]}x throughput, "
+               f"{p['mfu_500b_1024_chips']:.0%} of peak FLOPS for 500B on 1024 chips")
+  lines.append(f"memory fit ({'ours' if 'ours' in s['variants'] else 'first variant'}): {s['fit']}")
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(argv)
+  if args.worker:
+    return worker(args, overrides)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # this process only checks; workers compile
+  try:
+    cfg, topology, chip, chips, variants, info = load(args, overrides)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  if importlib.util.find_spec('libtpu') is None:
+    print(f'error: libtpu (the TPU compiler) is not installed: {INSTALL_HINT}', file=sys.stderr)
+    return 2
+  results = {}
+  for i, name in enumerate(variants):
+    print(f'[{i + 1}/{len(variants)}] {name}: compiling for {topology} in a subprocess '
+          f'({VARIANTS[name].description})...', file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    r = run_variant(args, overrides, name, topology)
+    if 'error' in r:
+      print(f"error: {name}: {r['error']}", file=sys.stderr)
+      return 2 if r.get('input_error') else 1
+    m = r['memory']
+    step = r.get('model', {}).get('step_seconds')
+    print(f"[{i + 1}/{len(variants)}] {name}: done in {time.perf_counter() - start:.0f} s; "
+          + (f"{_gib(m['total'])} GiB per chip" if 'total' in m else 'out of memory')
+          + (f'; modeled step {step:.3f} s' if step else ''), file=sys.stderr, flush=True)
+    results[name] = r
+  s = summarize(cfg, args.config, topology, chip, chips, info, results)
+  print(json.dumps(s, indent=1) if args.json else text_report(s))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,87 @@
+"""launch.aot: bad input, and a real TPU compile of a small config (needs libtpu)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from launch import aot
+from tests.conftest import ROOT
+
+DENSE_10B = os.path.join(ROOT, 'configs', 'dense_10b.py')
+# dense_10b shrunk to a few MB on 8 chips (v4:2x2x2), every dense layer decomposed.
+SMALL = ['--config.mesh.fsdp=2', '--config.mesh.tensor=4', '--config.batch_size=8',
+         '--config.seq_len=512', '--config.model.d_model=512', '--config.model.num_layers=2',
+         '--config.model.num_heads=8', '--config.model.num_kv_heads=4',
+         '--config.model.head_dim=64', '--config.model.mlp_dim=2048',
+         '--config.model.vocab_size=1024', '--config.parallelism.collective_matmul=always']
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
+
+
+def _error_line(capsys) -> str:
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1, err
+  return err[0]
+
+
+def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, 'libtpu', None)  # find_spec('libtpu') -> None
+  assert aot.main(['--config', DENSE_10B]) == 2
+  line = _error_line(capsys)
+  assert line.startswith('error: ') and "pip install -e '.[tpu]'" in line
+
+
+@pytest.mark.parametrize('args,expected', [
+    (['--config', 'configs/missing.py'], 'config file not found'),
+    (['--config', DENSE_10B, '--topology', 'v9:2x2'], "--topology 'v9:2x2' is not of the form"),
+    (['--config', DENSE_10B, '--config.model.no_such_key=1'], 'unknown config key'),
+    (['--config', DENSE_10B, '--variants', 'ours,fastest'], '--variants'),
+    (['--config', DENSE_10B, '--topology', 'v4:2x2x2'], '!= device count 8'),
+    (['--config', os.path.join(ROOT, 'configs', 'default.py')], 'has no aot.topology'),
+    (['--config', DENSE_10B, '--config.mesh.tensor=3', '--config.mesh.fsdp=-1'],
+     'cannot fill mesh.fsdp=-1'),
+])
+def test_bad_input_is_one_line_and_exit_2(args, expected, capsys):
+  assert aot.main(args) == 2
+  line = _error_line(capsys)
+  assert line.startswith('error: ') and expected in line, line
+
+
+def test_memory_total_is_arguments_outputs_temporaries_minus_aliased():
+  stats = types.SimpleNamespace(argument_size_in_bytes=5, output_size_in_bytes=5,
+                                temp_size_in_bytes=20, alias_size_in_bytes=4,
+                                generated_code_size_in_bytes=1)
+  assert aot.memory(stats, 30)['total'] == 26 and aot.memory(stats, 30)['fits']
+  assert not aot.memory(stats, 25)['fits']
+
+
+@needs_libtpu
+def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
+  """baseline and ours, each in its own process, through the command users run."""
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'launch.aot', '--config', DENSE_10B, '--topology', 'v4:2x2x2',
+       '--variants', 'baseline,ours', '--json'] + SMALL,
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  s = json.loads(proc.stdout)
+  assert s['fit'] == 'FITS' and s['chips'] == 8
+  ours, base = s['variants']['ours'], s['variants']['baseline']
+  assert len(ours['decomposed_layers']) == 8 and base['decomposed_layers'] == []
+  pairs = ours['permute_pairs']
+  assert pairs['from_collective_einsum'] >= 1
+  assert pairs['with_compute_between'] >= 1, 'no permute has compute scheduled inside'
+  assert any(p['einsums_between'] and 'collective_einsum' in p['op_name']
+             for p in pairs['pairs'])
+  assert base['permute_pairs']['from_collective_einsum'] == 0
+  for name in ('baseline', 'ours'):
+    m = s['modeled'][name]
+    assert m['step_seconds'] > 0 and 0 < m['mfu'] < 1 and m['warnings'] == []
+  assert s['modeled']['baseline']['speedup_vs_baseline'] == 1
+  assert '[2/2] ours: done' in proc.stderr
