@@ -164,3 +164,22 @@ def test_moe_small_trains_through_the_cli(tmp_path, capsys):
     rows = {r['path']: r for r in json.load(f)['layers']}
   assert rows['blocks.1.moe.exchange']['decision'] == 'chunked x2'
   assert rows['blocks.1.moe.exchange']['collective'] == 'all_to_all over expert'
+
+
+def test_exchange_cost_model_and_auto_choice(devices):
+  """The modeled times follow parallelism/moe.py's formulas; auto picks the faster."""
+  from parallelism import hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
+  mesh = _mesh(data=2, expert=4)
+  shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12  # [batch, exp, capacity, embed]
+  tpu = hardware.get_profile('tpu_v4')
+  a = (math.prod(shape) * itemsize / 8 * 3 / 4 / tpu.link_bandwidth + tpu.step_latency)
+  t_c = flops / 8 / tpu.peak_flops
+  seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, 'tpu_v4')
+  np.testing.assert_allclose(seconds['single'], 2 * a + t_c)
+  np.testing.assert_allclose(seconds['chunked'], (2 * a + t_c) / 2 + max(t_c, 2 * a) / 2
+                             + 2 * tpu.step_latency)
+  auto = lambda hw: moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 2, 'auto', hw)
+  assert auto('tpu_v4').mode == 'chunked'  # transfers overlap compute there
+  assert auto('cpu').mode == 'single'      # synchronous copies: chunking only adds steps
+  assert moe_lib.decide(shape, itemsize, flops, mesh, None, 2, 'always', 'cpu').reason == (
+      'no expert parallelism: no all-to-all')

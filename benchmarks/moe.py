@@ -1,0 +1,123 @@
+r"""MoE layer time with the expert all-to-all chunked vs single, side by side.
+
+  python -m benchmarks.moe [--json] [--repeats 3] [--chunks 2 4]
+
+One MoE layer (models/moe.py) on 8 CPU devices, mesh data=2 x expert=4, with
+2048 tokens per device (16 sequences of 1024) and d_model 1024: 8 experts,
+top-2, expert MLP width 1024, capacity factor 1.25. For each chunk count the
+layer is compiled with ``parallelism.collective_matmul=never`` (one all-to-all
+each way) and ``always`` (``moe.overlap_chunks`` chunks), and timed forward and
+forward+backward, the two modes alternating, median over ``repeats``. On CPU
+all-to-alls are synchronous copies, so this measures what chunking costs;
+target: ratio (chunked / single) <= 1.10. The chunk shapes used are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = 1.10
+SHAPE = dict(sequences=16, seq_len=1024, d_model=1024, experts=8, top_k=2, mlp_dim=1024)
+RULES = [['batch', ['data', 'fsdp', 'expert']], ['batch', ['data', 'fsdp']],
+         ['exp', 'expert'], ['mlp', 'tensor']]
+
+
+def build(policy: str, chunks: int):
+  """(forward, forward+backward, params, x, decision) for one policy."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from models.moe import MoeConfig, MoeMlp  # pylint: disable=g-import-not-at-top
+  from models.transformer import RESIDUAL  # pylint: disable=g-import-not-at-top
+  from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
+  mesh = mesh_lib.make_mesh(dict(data=2, fsdp=1, tensor=1, expert=4, dcn_data=1, dcn_fsdp=1,
+                                 dcn_tensor=1, dcn_expert=1))
+  ops = sharding.ShardedOps(mesh, sharding.normalize_rules(RULES),
+                            sharding.MatmulPolicy(policy))
+  moe = MoeConfig(num_experts=SHAPE['experts'], top_k=SHAPE['top_k'],
+                  mlp_dim=SHAPE['mlp_dim'], overlap_chunks=chunks)
+  layer = MoeMlp(moe, SHAPE['d_model'], 2, 'float32', 'float32', ops, nnx.Rngs(0))
+  graphdef, params = nnx.split(layer)
+  x = jax.random.normal(jax.random.key(1), (SHAPE['sequences'], SHAPE['seq_len'],
+                                            SHAPE['d_model']), jnp.float32)
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, ops.spec(('batch', 'length', 'embed'))))
+
+  def forward(params, x):
+    return nnx.merge(graphdef, params)(x, RESIDUAL)[0]
+
+  def loss(params, x):
+    return jnp.mean(forward(params, x) ** 2)
+
+  fwd = jax.jit(forward)
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  fwd.lower(params, x)  # tracing records the decision
+  decision = ops.decisions['moe.exchange'][0]
+  return fwd, fwd_bwd, params, x, decision
+
+
+def _time_pair(fns, args, repeats):
+  """Median seconds of each fn, alternating them so drift hits both alike."""
+  import jax  # pylint: disable=g-import-not-at-top
+  for fn in fns:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+  times = [[] for _ in fns]
+  for _ in range(repeats):
+    for i, fn in enumerate(fns):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))  # one sharded computation in flight at a time
+      times[i].append(time.perf_counter() - start)
+  return [statistics.median(t) for t in times]
+
+
+def run(chunks: int, repeats: int) -> dict:
+  single = build('never', chunks)
+  chunked = build('always', chunks)
+  row = {'chunks': chunks, 'chunk_shape_e_b_c_d': list(chunked[4].chunk_shape),
+         'single_shape_e_b_c_d': list(single[4].chunk_shape)}
+  for name, index in (('forward', 0), ('forward_backward', 1)):
+    t_single, t_chunked = _time_pair([single[index], chunked[index]], single[2:4], repeats)
+    row[name] = {'single_seconds': t_single, 'chunked_seconds': t_chunked,
+                 'ratio': t_chunked / t_single}
+  row['met'] = all(row[n]['ratio'] <= TARGET for n in ('forward', 'forward_backward'))
+  return row
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--json', action='store_true')
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--chunks', type=int, nargs='+', default=[2, 4])
+  args = parser.parse_args(argv)
+  sys.path.insert(0, ROOT)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  from launch import runtime  # pylint: disable=g-import-not-at-top
+  runtime.configure_host(8)
+  tokens = SHAPE['sequences'] * SHAPE['seq_len'] // 8
+  if not args.json:
+    print(f'MoE layer, 8 CPU devices (data=2 x expert=4), {tokens} tokens per device, '
+          f'{SHAPE}; target ratio <= {TARGET}', flush=True)
+  results = []
+  for chunks in args.chunks:
+    row = run(chunks, args.repeats)
+    results.append(row)
+    if not args.json:
+      print(f"chunks {chunks}: chunk [e,b,c,d] {row['chunk_shape_e_b_c_d']} (single "
+            f"{row['single_shape_e_b_c_d']}); forward {row['forward']['single_seconds']:.3f}s "
+            f"-> {row['forward']['chunked_seconds']:.3f}s ratio {row['forward']['ratio']:.3f}; "
+            f"fwd+bwd {row['forward_backward']['single_seconds']:.3f}s -> "
+            f"{row['forward_backward']['chunked_seconds']:.3f}s ratio "
+            f"{row['forward_backward']['ratio']:.3f}", flush=True)
+  if args.json:
+    print(json.dumps({'device_count': 8, 'tokens_per_device': tokens, 'shape': SHAPE,
+                      'target': TARGET, 'repeats': args.repeats, 'results': results}, indent=1))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
