@@ -284,11 +284,12 @@ def summarize(cfg, config_path: str, topology: str, chip: ChipKind, chips: int, 
     v['layers'] = layers
     model = r.get('model')
     if model:
-      pairs = [p for p in model['pairs'] if p['kind'] == 'collective-permute']
+      pairs = [p | {'layer': _layer(p['op_name'])} for p in model['pairs']
+               if p['kind'] == 'collective-permute']
       v['permute_pairs'] = {
           'count': len(pairs),
           'from_collective_einsum': sum('collective_einsum' in p['op_name'] for p in pairs),
-          'with_compute_between': sum(p['compute_between_us'] > 0 for p in pairs),
+          'with_einsum_between': sum(bool(p['einsums_between']) for p in pairs),
           'pairs': pairs}
       step = model['step_seconds']
       out['modeled'][name] = {
@@ -309,6 +310,13 @@ def summarize(cfg, config_path: str, topology: str, chip: ChipKind, chips: int, 
   main = 'ours' if 'ours' in out['variants'] else next(iter(out['variants']))
   out['fit'] = out['variants'][main]['memory']['fit']
   return out
+
+
+def _layer(op_name: str) -> str:
+  """The dense layer (and pass) an instruction belongs to, from its op_name."""
+  m = re.search(r'(blocks\.\*\.[\w.]+?|unembed)(/|\)|$)', op_name)
+  name = m.group(1) if m else '-'
+  return name + (' (bwd)' if m and 'transpose(' in op_name else '')
 
 
 def _gib(x: float) -> str:
@@ -340,11 +348,12 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
       continue
     lines += ['', f"{name}: {pp['count']} async collective-permute start/done pairs in the "
                   f"scheduled TPU program ({pp['from_collective_einsum']} from collective_einsum), "
-                  f"{pp['with_compute_between']} with compute scheduled between start and done "
+                  f"{pp['with_einsum_between']} with an einsum scheduled between start and done "
                   '(times modeled)']
-    head = ('start', 'done', 'runs/step', 'transfer us', 'compute between us', 'exposed us',
-            'einsums between')
-    rows = [head] + [(p['start'], p['done'], f"{p['executions']:.0f}", f"{p['transfer_us']:.1f}",
+    head = ('layer', 'start', 'done', 'runs/step', 'transfer us', 'compute between us',
+            'exposed us', 'einsums between')
+    rows = [head] + [(_layer(p['op_name']), p['start'], p['done'], f"{p['executions']:.0f}",
+                      f"{p['transfer_us']:.1f}",
                       f"{p['compute_between_us']:.1f}", f"{p['exposed_us']:.1f}",
                       ', '.join(p['einsums_between'][:3]) or '-')
                      for p in pp['pairs'][:max_pairs]]

@@ -43,8 +43,8 @@ conditional its slowest branch; a call its callee.
 Results: step time (``t`` at the end of the entry computation), compute time,
 communication (the transfer time of all collectives), exposed communication
 (time the clock waited for collectives), and per asynchronous pair the compute
-scheduled between start and done. MFU is the model's FLOPs / (chips x peak x
-step time).
+scheduled between start and done. launch/aot.py turns the step time into a
+modeled MFU: the model's FLOPs per step / (chips x peak x step time).
 """
 
 from __future__ import annotations
