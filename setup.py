@@ -23,6 +23,7 @@ setup(
         'tensorboardX==2.6.5',   # TensorBoard event files without TensorFlow
         'protobuf==7.36.2',
         'safetensors==0.8.0',    # Hugging Face weights, read without pickle
+        'matplotlib==3.11.2',    # plots of docs/benchmarks.md (benchmarks/report.py)
     ],
     extras_require={
         'test': ['pytest==9.2.0', 'hypothesis==6.170.17',

@@ -1,0 +1,375 @@
+r"""Runs the benchmarks and writes docs/benchmarks.md with tables and PNG plots.
+
+  python -m benchmarks.report [--only cpu|aot]
+
+Every number comes from a command run now, in a subprocess:
+
+* CPU benchmarks (``CPU_BENCHMARKS``): the cost of decomposed collective
+  einsums per einsum shape, the train-step time with and without them, and the
+  tokens/s and MFU of a short run of configs/default.py.
+* With libtpu (the ``tpu`` extra): ``python -m launch.aot --json`` for each
+  paper-scale config (``AOT_CONFIGS``): per-chip memory against HBM, compile
+  time, and the modeled step time, exposed communication and MFU of the
+  baseline, XLA's own and our variant, next to the paper's numbers.
+
+Raw results go to docs/benchmarks/results.json, plots to docs/benchmarks/*.png.
+``--only cpu`` (or ``aot``) re-measures one part and keeps the other from the
+previous results.json. Re-running regenerates the same files from fresh
+measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')
+OUT = os.path.join(ROOT, 'docs', 'benchmarks')
+PAPER = ('Wang et al., ASPLOS 2023, measured on TPU v4 pods: 1.14x-1.38x throughput from '
+         'overlap; 72% of peak FLOPS for a 500B model on 1024 chips')
+
+# The CPU benchmarks: name -> (command after `python`, what it measures).
+# Each prints one JSON object on stdout (the default run: see default_run()).
+CPU_BENCHMARKS = {
+    'collective_einsum': (['-m', 'benchmarks.collective_einsum', '--json'],
+                          'decomposed collective einsum vs plain, per einsum shape'),
+    'train_step': (['-m', 'benchmarks.train_step', '--json'],
+                   'train step with every dense layer decomposed vs none'),
+    'default_run': (['-m', 'benchmarks.report', '--default_run'],
+                    'tokens/s and MFU of configs/default.py (40 steps)'),
+    # MoE overhead goes here: 'moe': (['-m', 'benchmarks.moe', '--json'], ...), with a
+    # section in render() below. Not run until benchmarks/moe.py is in place.
+}
+# Paper-scale configs compiled ahead of time for their TPU slice (configs/<name>.py).
+AOT_CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b']  # MoE: add 'moe_1t' here
+
+
+def progress(message: str) -> None:
+  print(f'[report] {message}', file=sys.stderr, flush=True)
+
+
+def run_json(argv: list[str], env=None) -> dict:
+  """Runs ``python argv`` from the repository root; returns its stdout's JSON."""
+  proc = subprocess.run([sys.executable] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                        text=True)
+  if proc.returncode:
+    raise RuntimeError(f'python {" ".join(argv)} exited with {proc.returncode}')
+  return json.loads(proc.stdout)
+
+
+def default_run(steps: int = 40) -> dict:
+  """Trains configs/default.py briefly; median tokens/s and MFU after the first record."""
+  with tempfile.TemporaryDirectory() as tmp:
+    subprocess.run([sys.executable, '-m', 'trainer.train', '--config', 'configs/default.py',
+                    '--workdir', tmp, f'--config.steps={steps}', '--config.log_every=10',
+                    '--config.eval_every=0', '--config.checkpoint.every=0'],
+                   cwd=ROOT, check=True, stdout=sys.stderr)
+    with open(os.path.join(tmp, 'metrics.jsonl'), encoding='utf-8') as f:
+      records = [json.loads(l) for l in f if l.strip()]
+  train = [r for r in records if 'tokens_per_sec' in r][1:]  # the first includes warm-up
+  return {'config': 'configs/default.py', 'steps': steps,
+          'tokens_per_sec': statistics.median(r['tokens_per_sec'] for r in train),
+          'mfu': statistics.median(r['mfu'] for r in train),
+          'step_time': statistics.median(r['step_time'] for r in train),
+          'records': len(train)}
+
+
+def measure_cpu() -> dict:
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  out = {}
+  for i, (name, (argv, what)) in enumerate(CPU_BENCHMARKS.items()):
+    progress(f'cpu {i + 1}/{len(CPU_BENCHMARKS)}: {name} ({what}): python {" ".join(argv)}')
+    start = time.perf_counter()
+    out[name] = run_json(argv, env)
+    progress(f'cpu {i + 1}/{len(CPU_BENCHMARKS)}: {name} done in '
+             f'{time.perf_counter() - start:.0f} s')
+  return out
+
+
+def measure_aot() -> dict:
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  out = {}
+  for i, name in enumerate(AOT_CONFIGS):
+    argv = ['-m', 'launch.aot', '--config', f'configs/{name}.py', '--json']
+    progress(f'aot {i + 1}/{len(AOT_CONFIGS)}: {name}: python {" ".join(argv)}')
+    start = time.perf_counter()
+    out[name] = run_json(argv, env)
+    progress(f'aot {i + 1}/{len(AOT_CONFIGS)}: {name} done in '
+             f'{time.perf_counter() - start:.0f} s')
+  return out
+
+
+# ---- rendering ----------------------------------------------------------------------
+
+
+def _table(head, rows) -> list[str]:
+  return (['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+          + ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows])
+
+
+def _gib(x) -> str:
+  return f'{x / 2 ** 30:.2f}'
+
+
+def render_cpu(cpu: dict, plots) -> list[str]:
+  lines = ['## CPU benchmarks', '',
+           'On CPU a collective-permute is a synchronous copy between simulated devices: '
+           'decomposition cannot hide anything there, so these measure what it costs '
+           '(ratios near 1 are the goal), not a speedup.', '']
+  ce = cpu.get('collective_einsum')
+  if ce:
+    lines += ['### Collective einsum overhead', '',
+              f'`python -m benchmarks.collective_einsum --json`: {ce["device_count"]} devices, '
+              f'median of {ce["repeats"]} runs; overhead = decomposed / plain (`mode="none"`).', '']
+    rows = []
+    for c in ce['cases']:
+      o = c['overhead']
+      rows.append([c['case'].strip(), f'`{c["equation"]}`', f'{o["unidirectional"]["forward"]:.3f}',
+                   f'{o["unidirectional"]["forward_backward"]:.3f}',
+                   f'{o["bidirectional"]["forward"]:.3f}',
+                   f'{o["bidirectional"]["forward_backward"]:.3f}',
+                   f'{c["max_rel_error"]:.1e}', 'yes' if c['target'] else 'no'])
+    lines += _table(['case', 'einsum', 'uni fwd', 'uni fwd+bwd', 'bi fwd', 'bi fwd+bwd',
+                     'max rel. error', 'has target'], rows)
+    lines += ['', 'Median over the cases with a target (targets: forward <= 1.05, '
+              'forward+backward <= 1.10):', '']
+    lines += _table(['mode / pass', 'median overhead', 'target', 'met'],
+                    [[k, v['median_overhead'], v['target'], 'yes' if v['met'] else 'no']
+                     for k, v in ce['summary'].items()])
+    lines += ['', f'![overhead per einsum shape]({plots["collective_einsum"]})', '']
+  ts = cpu.get('train_step')
+  if ts:
+    lines += ['### Train step', '',
+              f'`python -m benchmarks.train_step --json`: median of {ts["repeats"]} steps after '
+              'a warm-up, `collective_matmul=always` vs `never`, in one process.', '']
+    lines += _table(['config', 'never (s)', 'always (s)', 'ratio', 'target', 'decomposed layers'],
+                    [[r['config'], f'{r["never"]["median_step_seconds"]:.3f}',
+                      f'{r["always"]["median_step_seconds"]:.3f}', f'{r["ratio"]:.3f}',
+                      '-' if r['target'] is None else f'<= {r["target"]} '
+                      f'({"met" if r["met"] else "not met"})',
+                      f'{r["always"]["decomposed_layers"]}/{r["always"]["dense_layers"]}']
+                     for r in ts['results']])
+    lines += ['', f'![train step]({plots["train_step"]})', '']
+  dr = cpu.get('default_run')
+  if dr:
+    lines += ['### Default config', '',
+              f'`python -m trainer.train --config configs/default.py --config.steps={dr["steps"]}'
+              '` (8 simulated CPU devices; MFU against the CPU peak measured at start): median '
+              f'of {dr["records"]} logged records after the first: **{dr["tokens_per_sec"]:,.0f} '
+              f'tokens/s**, **{dr["mfu"]:.1%} MFU**, {dr["step_time"]:.3f} s per step.', '']
+  return lines
+
+
+def render_aot(aot: dict, plots) -> list[str]:
+  lines = ['## Paper-scale configs on TPU v4, compiled ahead of time', '',
+           'Each config is compiled for its TPU slice on this CPU machine by the real TPU '
+           'compiler (`python -m launch.aot --config configs/<name>.py --json`), three times, '
+           'each in its own process: **baseline** (`collective_matmul=never`, XLA\'s windowed '
+           'einsum off), **xla** (`never`, default flags: the compiler decomposes some einsums '
+           'itself) and **ours** (the config\'s `collective_matmul`, XLA\'s windowed einsum off). '
+           'Memory and compile time come from the compiler. Step times, communication and MFU '
+           'are **modeled**: an analytical model over the compiled, scheduled TPU program '
+           '(`parallelism/step_model.py`, whose docstring states the formulas), not a '
+           'measurement on TPUs.', '']
+  rows = []
+  for name, s in aot.items():
+    m = s['variants'].get('ours') or next(iter(s['variants'].values()))
+    mem = m['memory']
+    rows.append([name, f'{s["parameters"] / 1e9:.1f}B', f'v4 `{s["topology"]}` ({s["chips"]})',
+                 s['mesh'], f'{s["tokens_per_step"]:,}',
+                 _gib(mem['arguments']) if 'total' in mem else '-',
+                 _gib(mem['temporaries']) if 'total' in mem else '-',
+                 _gib(mem['total']) if 'total' in mem else '-', _gib(mem['usable_bytes']),
+                 f'**{mem["fit"]}**'])
+  lines += ['### Memory per chip (ours)', '',
+            'Total = arguments + outputs + temporaries - aliased (the state is donated, so '
+            'outputs alias arguments); usable = what the compiler gives one program.', '']
+  lines += _table(['config', 'params', 'slice (chips)', 'mesh', 'tokens/step', 'arguments GiB',
+                   'temporaries GiB', 'total GiB', 'usable GiB', 'fit'], rows)
+  lines += ['', f'![memory per chip]({plots["aot_memory"]})', '',
+            '### Modeled step time', '', f'Paper: {PAPER}.', '']
+  rows = []
+  for name, s in aot.items():
+    for v, m in s['modeled'].items():
+      rows.append([name, v, f'{s["variants"][v]["compile_seconds"]:.0f}',
+                   f'{m["step_seconds"]:.3f}', f'{m["compute_seconds"]:.3f}',
+                   f'{m["exposed_communication_seconds"]:.3f}', f'{m["mfu"]:.1%}',
+                   f'{m["speedup_vs_baseline"]:.3f}x'])
+  lines += _table(['config', 'variant', 'compile s', 'modeled step s', 'modeled compute s',
+                   'modeled exposed comm s', 'modeled MFU', 'modeled speedup vs baseline'], rows)
+  lines += ['', f'![modeled speedup]({plots["aot_speedup"]})', '',
+            f'![modeled MFU]({plots["aot_mfu"]})', '', '### What the schedules contain', '']
+  rows = []
+  for name, s in aot.items():
+    ours = s['variants'].get('ours', {})
+    pp = ours.get('permute_pairs') or {}
+    rows.append([name, f'{len(ours.get("decomposed_layers", []))}/{len(ours.get("layers", []))}',
+                 pp.get('count', '-'), pp.get('from_collective_einsum', '-'),
+                 pp.get('with_einsum_between', '-')])
+  lines += ['Ours: dense layers decomposed (parallelism report) and the asynchronous '
+            'collective-permute start/done pairs of the scheduled TPU program (static '
+            'instructions; loop bodies run many times per step).', '']
+  lines += _table(['config', 'decomposed layers', 'permute pairs', 'from collective_einsum',
+                   'with an einsum between start and done'], rows)
+  lines += ['', 'Modeled transfer time per step by collective (executions per step, seconds; '
+            '"(async)" overlaps compute between its start and done, the others block):', '']
+  rows = []
+  for name, s in aot.items():
+    for v, m in s['modeled'].items():
+      cells = [f'{k}: {c["count"]:,.0f} / {c["seconds"]:.2f} s'
+               for k, c in sorted(m['collectives'].items(), key=lambda kv: -kv[1]['seconds'])]
+      rows.append([name, v, '; '.join(cells)])
+  lines += _table(['config', 'variant', 'collective: executions / modeled seconds'], rows)
+  lines.append('')
+  return lines
+
+
+def plot(results: dict) -> dict:
+  """Writes the PNGs; returns name -> path relative to docs/."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  os.makedirs(OUT, exist_ok=True)
+  paths = {}
+
+  def save(fig, name):
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, f'{name}.png'), dpi=110, metadata={'Software': None})
+    plt.close(fig)
+    paths[name] = f'benchmarks/{name}.png'
+
+  def bars(ax, labels, series: dict, ylabel, hline=None, hlabel=None):
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+      ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))], values,
+             width, label=label)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha='right')
+    ax.set_ylabel(ylabel)
+    if hline is not None:
+      ax.axhline(hline, color='gray', linestyle='--', linewidth=1, label=hlabel)
+    ax.legend(fontsize=8)
+
+  cpu, aot = results.get('cpu', {}), results.get('aot', {})
+  if 'collective_einsum' in cpu:
+    cases = cpu['collective_einsum']['cases']
+    fig, ax = plt.subplots(figsize=(8, 4))
+    series = {f'{m[:3]} {p}': [c['overhead'][m][k] for c in cases]
+              for m in ('unidirectional', 'bidirectional')
+              for p, k in (('fwd', 'forward'), ('fwd+bwd', 'forward_backward'))}
+    bars(ax, [c['case'].strip() for c in cases], series, 'decomposed / plain time (CPU)', 1.0,
+         'no overhead')
+    ax.set_title('Collective einsum overhead per einsum shape (CPU, measured)')
+    save(fig, 'collective_einsum')
+  if 'train_step' in cpu:
+    rs = cpu['train_step']['results']
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars(ax, [r['config'] for r in rs],
+         {p: [r[p]['median_step_seconds'] for r in rs] for p in ('never', 'always')},
+         'median step time (s, CPU)')
+    ax.set_title('Train step: every dense layer decomposed vs none (CPU, measured)')
+    save(fig, 'train_step')
+  if aot:
+    names = list(aot)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    mems = [aot[n]['variants']['ours']['memory'] for n in names]
+    parts = {'arguments': [m.get('arguments', 0) for m in mems],
+             'temporaries': [m.get('temporaries', 0) for m in mems],
+             'outputs not aliased': [m.get('outputs', 0) - m.get('aliased', 0) for m in mems]}
+    bottom = [0.0] * len(names)
+    for part, values in parts.items():
+      vals = [v / 2 ** 30 for v in values]
+      ax.bar(names, vals, bottom=bottom, label=part)
+      bottom = [b + v for b, v in zip(bottom, vals)]
+    usable = aot[names[0]]['variants']['ours']['memory']['usable_bytes'] / 2 ** 30
+    ax.axhline(usable, color='gray', linestyle='--', linewidth=1, label=f'usable {usable:.2f} GiB')
+    ax.set_ylabel('GiB per chip')
+    ax.set_title('Memory per chip, ours (TPU compiler)')
+    ax.legend(fontsize=8)
+    save(fig, 'aot_memory')
+    variants = [v for v in ('baseline', 'xla', 'ours') if all(v in aot[n]['modeled']
+                                                              for n in names)]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    bars(ax, names, {v: [aot[n]['modeled'][v]['speedup_vs_baseline'] for n in names]
+                     for v in variants}, 'modeled speedup vs baseline', 1.0, 'baseline')
+    ax.axhspan(1.14, 1.38, color='green', alpha=0.12, label='paper 1.14x-1.38x')
+    ax.legend(fontsize=8)
+    ax.set_title('Modeled speedup per model size (not measured)')
+    save(fig, 'aot_speedup')
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    bars(ax, names, {v: [100 * aot[n]['modeled'][v]['mfu'] for n in names] for v in variants},
+         'modeled MFU (%)', 72, 'paper: 72% (500B, 1024 chips)')
+    ax.set_title('Modeled MFU per model size (not measured)')
+    save(fig, 'aot_mfu')
+  return paths
+
+
+def render(results: dict) -> str:
+  paths = plot(results)
+  meta = results['meta']
+  lines = ['# Benchmarks', '',
+           f'Generated by `python -m benchmarks.report` on {meta["date"]} at commit '
+           f'`{meta["commit"]}` ({meta["machine"]}). Re-run it to regenerate this page, its '
+           'plots and `docs/benchmarks/results.json` from fresh measurements.', '']
+  lines += render_cpu(results.get('cpu', {}), paths)
+  if results.get('aot'):
+    lines += render_aot(results['aot'], paths)
+  else:
+    lines += ['## Paper-scale configs on TPU v4', '',
+              f'Not run: {results.get("aot_skipped", "libtpu is not installed")}.', '']
+  return '\n'.join(lines).rstrip() + '\n'
+
+
+def _meta() -> dict:
+  commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip() or 'unknown'
+  return {'date': datetime.date.today().isoformat(), 'commit': commit,
+          'machine': f'{platform.machine()}, {os.cpu_count()} cores, '
+                     f'Python {platform.python_version()}'}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--only', choices=('cpu', 'aot'), default=None,
+                      help='re-measure one part; keep the other from results.json')
+  parser.add_argument('--default_run', action='store_true', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.default_run:
+    print(json.dumps(default_run()))
+    return 0
+  path = os.path.join(OUT, 'results.json')
+  previous = {}
+  if args.only and os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      previous = json.load(f)
+  results = {'meta': _meta(), 'cpu': previous.get('cpu', {}), 'aot': previous.get('aot', {})}
+  if args.only in (None, 'cpu'):
+    results['cpu'] = measure_cpu()
+  if args.only in (None, 'aot'):
+    if importlib.util.find_spec('libtpu') is None:
+      results['aot'] = {}
+      results['aot_skipped'] = "libtpu is not installed (pip install -e '.[tpu]')"
+      progress(f'aot: skipped, {results["aot_skipped"]}')
+    else:
+      results['aot'] = measure_aot()
+  os.makedirs(OUT, exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(results, f, indent=1)
+    f.write('\n')
+  with open(DOC, 'w', encoding='utf-8') as f:
+    f.write(render(results))
+  progress(f'wrote {os.path.relpath(DOC, ROOT)}, {os.path.relpath(OUT, ROOT)}/')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
