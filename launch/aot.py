@@ -135,11 +135,12 @@ def load(args, overrides) -> tuple:
 
 def _check(cfg, chips: int) -> dict:
   """What trainer.train checks before compiling, against the slice's chip count."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from models.transformer import Transformer, TransformerConfig, count_params  # pylint: disable=g-import-not-at-top
-  from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
-  from trainer import metrics  # pylint: disable=g-import-not-at-top
-  model_cfg = TransformerConfig.from_config(cfg.model)
+  # pylint: disable=g-import-not-at-top
+  from flax import nnx
+  from models.transformer import Transformer, TransformerConfig, count_params
+  from parallelism import mesh as mesh_lib, sharding
+  from trainer import metrics
+  model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
   model_cfg.validate()
   sharding.MatmulPolicy.from_config(cfg).validate()
   if cfg.seq_len > model_cfg.max_seq_len:
@@ -173,11 +174,12 @@ def worker(args, overrides) -> int:
   setting = cfg.parallelism.collective_matmul
   cfg.parallelism.collective_matmul = variant.collective_matmul or (
       setting if setting != 'never' else 'auto')
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from models.transformer import TransformerConfig  # pylint: disable=g-import-not-at-top
-  from parallelism import mesh as mesh_lib, report, sharding, step_model  # pylint: disable=g-import-not-at-top
-  from trainer import loop  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.experimental import topologies
+  from models.transformer import TransformerConfig
+  from parallelism import mesh as mesh_lib, report, sharding, step_model
+  from trainer import loop
   out = {'variant': variant.name, 'description': variant.description,
          'collective_matmul': cfg.parallelism.collective_matmul,
          'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', '')}
@@ -187,7 +189,8 @@ def worker(args, overrides) -> int:
         chips_per_host_bounds=chip_kind.chips_per_host_bounds, num_slices=1)
     mesh = mesh_lib.make_mesh(cfg.mesh, topo.devices)
     rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-    program = loop.build(cfg, TransformerConfig.from_config(cfg.model), mesh, rules)
+    model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
+    program = loop.build(cfg, model_cfg, mesh, rules)
   except (ValueError, RuntimeError) as e:  # a topology the compiler refuses, a bad layout
     _write(args.out, out | {'error': str(e).splitlines()[0], 'input_error': True})
     return 0

@@ -57,13 +57,12 @@ from typing import Sequence
 import numpy as np
 
 from parallelism import hardware
+from parallelism.hlo_text import (Instr, Module, first_group, parse, shape_bytes,
+                                  shape_dims, tuple_element)
 
 # Data-sheet HBM bandwidth per chip (bytes/s): the memory roofline of compute.
 HBM_BANDWIDTH = {'tpu_v4': 1.2e12, 'tpu_v5p': 2.765e12, 'h100': 3.35e12, 'h200': 4.8e12}
 
-DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2,
-               's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
-               'c128': 16, 's4': 0.5, 'u4': 0.5, 'token': 0}
 FREE = {'parameter', 'get-tuple-element', 'tuple', 'constant', 'bitcast', 'after-all',
         'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'domain',
         'async-update', 'send', 'send-done', 'recv', 'recv-done'}
@@ -89,101 +88,6 @@ class Chip:
       raise ValueError(f'no HBM bandwidth for hardware profile {name!r}')
     return cls(name, p.peak_flops, HBM_BANDWIDTH[name], p.link_bandwidth, p.ring_links,
                p.step_latency)
-
-
-@dataclasses.dataclass
-class Instr:
-  name: str
-  shape: str
-  opcode: str
-  operands: list[str]   # names of operand instructions
-  literal: str          # the raw operand text (constants' values)
-  attrs: str            # everything after the operand list
-  root: bool = False
-
-  def attr(self, key: str) -> str | None:
-    m = re.search(rf'\b{key}=(%?[\w.\-]+)', self.attrs)
-    return m and m.group(1).lstrip('%')
-
-  @property
-  def op_name(self) -> str:
-    m = re.search(r'op_name="([^"]*)"', self.attrs)
-    return m.group(1) if m else ''
-
-
-@dataclasses.dataclass
-class Module:
-  computations: dict[str, list[Instr]]
-  entry: str
-  num_partitions: int
-
-
-def _matching(text: str, start: int) -> int:
-  """Index just past the parenthesis group opening at ``text[start]``."""
-  depth = 0
-  for i in range(start, len(text)):
-    depth += {'(': 1, ')': -1}.get(text[i], 0)
-    if depth == 0:
-      return i + 1
-  raise ValueError(f'unbalanced parentheses: {text[start:start + 80]}')
-
-
-_HEAD = re.compile(r'^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*')
-_ARRAY = re.compile(r'[a-z][a-z0-9]*\[[0-9,]*\](\{[^}]*\})?')
-
-
-def parse_instr(line: str) -> Instr | None:
-  m = _HEAD.match(line)
-  if not m:
-    return None
-  rest = line[m.end():]
-  if rest.startswith('('):
-    end = _matching(rest, 0)
-  else:
-    a = _ARRAY.match(rest)
-    if not a:
-      return None
-    end = a.end()
-  shape, rest = rest[:end], rest[end:].lstrip()
-  op = re.match(r'([\w\-]+)\(', rest)
-  if not op:
-    return None
-  close = _matching(rest, op.end() - 1)
-  inner = re.sub(r'/\*.*?\*/', '', rest[op.end():close - 1])
-  return Instr(m.group(2), shape, op.group(1), re.findall(r'%([\w.\-]+)', inner), inner,
-               rest[close:], bool(m.group(1)))
-
-
-def parse(text: str) -> Module:
-  """Splits HLO text into computations of instructions, in schedule order."""
-  comps, entry, current = {}, None, None
-  parts = re.search(r'num_partitions=(\d+)', text[:20000])
-  for line in text.splitlines():
-    if current is None:
-      m = re.match(r'^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$', line)
-      if m:
-        current = comps.setdefault(m.group(2), [])
-        entry = m.group(2) if m.group(1) else entry
-      continue
-    if line.startswith('}'):
-      current = None
-      continue
-    ins = parse_instr(line)
-    if ins:
-      current.append(ins)
-  if entry is None:
-    raise ValueError('no ENTRY computation in the HLO text')
-  return Module(comps, entry, int(parts.group(1)) if parts else 1)
-
-
-def shape_bytes(shape: str) -> float:
-  return sum(DTYPE_BYTES.get(d, 4) * math.prod(int(x) for x in dims.split(',') if x)
-             for d, dims in re.findall(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]', shape))
-
-
-def shape_dims(shape: str) -> list[int]:
-  m = re.search(r'\[([0-9,]*)\]', shape)
-  return [int(x) for x in m.group(1).split(',') if x] if m else []
 
 
 # ---- FLOPs and bytes of one instruction -------------------------------------------
@@ -329,38 +233,6 @@ class _Costs:
 
 # ---- collectives ------------------------------------------------------------------
 
-
-def _iota(dims, perm=None) -> np.ndarray:
-  ids = np.arange(math.prod(dims)).reshape(dims)
-  return ids.transpose(perm) if perm else ids
-
-
-def _ints(text: str) -> list[int]:
-  return [int(x) for x in re.findall(r'\d+', text)]
-
-
-def first_group(attrs: str, num_partitions: int) -> list[int]:
-  """The first device group of a collective, in any of XLA's printed formats."""
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
-                r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", attrs)
-  if m:
-    names = re.findall(r"'(\w+)'=", m.group(1))
-    sizes = [int(x) for x in re.findall(r"'\w+'=(\d+)", m.group(1))]
-    devices = (_iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3))).ravel()
-               if m.group(2) else np.arange(math.prod(sizes)))
-    over = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
-    rest = [i for i in range(len(sizes)) if i not in over]
-    grid = devices.reshape(sizes).transpose(rest + over)
-    return grid.reshape(-1, math.prod(sizes[a] for a in over))[0].tolist()
-  m = re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', attrs)
-  if m:
-    shape = _ints(m.group(1))
-    return _iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3))).reshape(
-        shape[0], -1)[0].tolist()
-  m = re.search(r'replica_groups=\{\{([\d,]*)\}', attrs)
-  if m:
-    return _ints(m.group(1))
-  return list(range(num_partitions))
 
 
 def _span(group: Sequence[int], coords) -> list[int]:
@@ -538,7 +410,7 @@ class _Model:
       tl.comm += s
       tl.count(label, s)
     else:  # copy-start, slice-start, other async work: a DMA of the result
-      s = 2 * shape_bytes(_tuple_element(ins.shape, 1)) / self.chip.hbm_bandwidth
+      s = 2 * shape_bytes(tuple_element(ins.shape, 1)) / self.chip.hbm_bandwidth
       kind = kind if kind in DMA else 'async'
     pending[ins.name] = {
         'computation': comp, 'start': ins.name, 'kind': kind, 'collective': coll is not None,
@@ -620,10 +492,6 @@ class _Model:
 
     return {c: count(c) for c in self.m.computations}
 
-
-def _tuple_element(shape: str, k: int) -> str:
-  parts = re.findall(r'[a-z][a-z0-9]*\[[0-9,]*\]', shape)
-  return parts[k] if len(parts) > k else (parts[0] if parts else '')
 
 
 def _constant(instrs: dict[str, Instr], tup: Instr, index: int) -> int:

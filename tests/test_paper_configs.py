@@ -28,7 +28,7 @@ def _named_size(name: str) -> float:
 @pytest.mark.parametrize('name', CONFIGS)
 def test_parameter_count_within_3_percent_of_the_name(name):
   cfg = _load(name)
-  model_cfg = TransformerConfig.from_config(cfg.model)
+  model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
   # Abstract: shapes only, nothing allocated (as trainer/train.py checks a config).
   params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
   count = count_params(params)

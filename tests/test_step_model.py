@@ -2,7 +2,7 @@
 
 import pytest
 
-from parallelism import step_model
+from parallelism import hlo_text, step_model
 
 # A ring step in a loop: a permute in flight over one matmul, three times, then a
 # synchronous all-gather over 4 chips.
@@ -86,7 +86,7 @@ def test_compute_hides_the_transfer_when_it_is_longer():
 
 def test_tpu_batched_matmul_convolution_flops():
   # How the TPU compiler writes btd,dnh->btnh: the head dim as a padded window.
-  ins = step_model.parse_instr(
+  ins = hlo_text.parse_instr(
       '  %c = f32[4,128,10,128]{3,1,2,0} convolution(%a, %b), window={size=1x10 pad=0_0x9_9 '
       'rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f')
   shapes = {'a': 'bf16[4,128,20480,1]', 'b': 'bf16[20480,10,128,1]'}
@@ -109,11 +109,11 @@ def test_trip_count_with_a_counter_stepping_by_two():
      [0, 4]),
 ])
 def test_replica_group_formats(attrs, group):
-  assert step_model.first_group(attrs, 8) == group
+  assert hlo_text.first_group(attrs, 8) == group
 
 
 def test_collective_over_two_torus_dimensions_uses_twice_the_links():
-  ins = step_model.parse_instr(
+  ins = hlo_text.parse_instr(
       '  %ag = bf16[4096]{0} all-gather(%x), replica_groups={{0,1,2,3}}, dimensions={0}')
   line = [(0, 0), (1, 0), (2, 0), (3, 0)]
   square = [(0, 0), (1, 0), (0, 1), (1, 1)]
