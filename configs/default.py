@@ -115,6 +115,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.async_save = True  # write in the background while training goes on
   c.checkpoint.on_corrupt = 'error'  # error | previous: resume from the newest readable one
 
+  # Multi-process runs (launch/local.py and launch/tpu_pod.py set these up);
+  # RINGTRAIN_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID override the first three.
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ''  # host:port of process 0 ('' with 1 process: none)
+  c.distributed.num_processes = 1
+  c.distributed.process_id = 0
+  c.distributed.auto = False              # TPU pod workers: let JAX detect everything
+  c.distributed.bind_address = ''         # coordinator listens here ('' : the address itself
+                                          # when it is loopback, else all interfaces)
+  c.distributed.initialization_timeout = 120  # seconds to wait for every process
+  c.distributed.heartbeat_timeout = 15    # a silent peer is declared dead after this (s)
+  c.distributed.shutdown_timeout = 30     # seconds to wait for peers at exit
+
   c.hardware = ml_collections.ConfigDict()
   c.hardware.name = 'cpu'         # profile: cpu | tpu_v4 | tpu_v5p | h100 | h200
   c.hardware.peak_flops = 0.0     # per-device peak override (0: from the profile)

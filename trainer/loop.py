@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from models.transformer import Transformer, count_params
@@ -184,11 +185,12 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log) -> dic
       if (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step:
         eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
         writer.write(done, eval_record)
-      if policy.every and (done % policy.every == 0 or done == last_step or preempted()):
+      stop = preempted()
+      if policy.every and (done % policy.every == 0 or done == last_step or stop):
         ckpt.save(state, meta)
         log(f'checkpoint {done}: saving to {ckpt.directory}'
             + (' in the background' if policy.async_save else ''))
-      if preempted():
+      if stop:
         ckpt.wait()
         raise Stopped(f'stopped by SIGTERM after step {done}' + (
             '; checkpoint saved: run the same command to resume' if policy.every else
@@ -225,15 +227,27 @@ def _check_finite(out, step: int, on_nonfinite: str, ckpt) -> None:
 
 @contextlib.contextmanager
 def _preemption_signal():
-  """Yields ``preempted()``: whether SIGTERM arrived (the loop then saves and stops)."""
+  """Yields ``preempted()``: whether SIGTERM arrived (the loop then saves and stops).
+
+  With several processes, SIGTERM reaches them at different moments; they
+  agree (an all-gather of the flags, once per step) so that all save and stop
+  after the same step.
+  """
   received = []
   handler = lambda signum, frame: received.append(signum)
   if threading.current_thread() is not threading.main_thread():
     yield lambda: False
     return
+
+  def preempted() -> bool:
+    if jax.process_count() == 1:
+      return bool(received)
+    flags = multihost_utils.process_allgather(np.int32(bool(received)))
+    return bool(np.max(flags))
+
   previous = signal.signal(signal.SIGTERM, handler)
   try:
-    yield lambda: bool(received)
+    yield preempted
   finally:
     signal.signal(signal.SIGTERM, previous)
 

@@ -59,6 +59,8 @@ def _prepare(cfg, args) -> Run:
   _check_run_lengths(cfg)
   runtime.configure_host(runtime.cpu_device_count(cfg.hardware.cpu_devices),
                          cpu_only=cfg.hardware.name == 'cpu')
+  runtime.start_distributed(runtime.distributed_settings(cfg.distributed),
+                            cpu=cfg.hardware.name == 'cpu')
   from models.transformer import TransformerConfig  # pylint: disable=g-import-not-at-top
   from parallelism import hardware, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from trainer import data  # pylint: disable=g-import-not-at-top

@@ -1,0 +1,105 @@
+r"""Runs a command on every worker of a Cloud TPU VM slice, through gcloud.
+
+  python -m launch.tpu_pod --tpu NAME --zone ZONE [--project P] [--dry_run] \
+      [--skip_setup] -- python -m trainer.train --config configs/dense_10b.py ...
+  python -m launch.tpu_pod --tpu NAME --zone ZONE [--project P] --stop
+
+1. packs this working tree (without .venv, runs, .cache, .git) and copies it to
+   every worker (``gcloud compute tpus tpu-vm scp ... --worker=all``);
+2. installs it there in ``~/ringtrain/.venv`` with the ``tpu`` extra;
+3. runs the command on all workers at once (``gcloud compute tpus tpu-vm ssh
+   ... --worker=all``), ``python`` meaning that venv's, with
+   ``--config.distributed.auto=True`` added to trainer commands (the workers
+   find each other; launch/runtime.py). Every output line is prefixed with
+   ``[w<worker number>]`` and also kept in ``~/ringtrain/logs/`` on its worker.
+
+``--stop`` sends SIGTERM to the trainer on every worker: each saves a checkpoint
+after its current step and exits; run the same launch command to resume.
+``--dry_run`` prints the exact commands instead of running them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+REMOTE_DIR = 'ringtrain'
+ARCHIVE = '/tmp/ringtrain.tgz'
+EXCLUDES = ('.venv', 'runs', '.cache', '.git', '__pycache__')
+WORKER_NUMBER = ('$(curl -s -H "Metadata-Flavor: Google" http://metadata.google.internal/'
+                 'computeMetadata/v1/instance/attributes/agent-worker-number)')
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog='python -m launch.tpu_pod', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--tpu', required=True, help='TPU VM name')
+  parser.add_argument('--zone', required=True)
+  parser.add_argument('--project', default=None)
+  parser.add_argument('--dry_run', action='store_true', help='print the commands only')
+  parser.add_argument('--skip_setup', action='store_true',
+                      help='do not copy and install the tree (already there)')
+  parser.add_argument('--stop', action='store_true', help='stop the trainer on all workers')
+  parser.add_argument('command', nargs=argparse.REMAINDER, help='-- COMMAND ...')
+  args = parser.parse_args(argv)
+  args.command = args.command[1:] if args.command[:1] == ['--'] else args.command
+  if not args.stop and not args.command:
+    parser.error('no command given after -- (or pass --stop)')
+  return args
+
+
+def _gcloud(args, verb: str, *rest: str) -> list[str]:
+  cmd = ['gcloud', 'compute', 'tpus', 'tpu-vm', verb, *rest, f'--zone={args.zone}',
+         '--worker=all']
+  return cmd + ([f'--project={args.project}'] if args.project else [])
+
+
+def _ssh(args, remote: str) -> list[str]:
+  return _gcloud(args, 'ssh', args.tpu, f'--command={remote}')
+
+
+def remote_command(command: list[str]) -> str:
+  """The shell line each worker runs: the venv's python, auto distributed, prefixed output."""
+  command = list(command)
+  if command and command[0] in ('python', 'python3'):
+    command[0] = '.venv/bin/python'
+  if 'trainer.train' in command and not any('distributed.auto' in a for a in command):
+    command.append('--config.distributed.auto=True')
+  return (f'cd ~/{REMOTE_DIR} && mkdir -p logs && W={WORKER_NUMBER} && '
+          f'{shlex.join(command)} 2>&1 | tee logs/worker_$W.log | sed -u "s/^/[w$W] /"')
+
+
+def commands(args) -> list[list[str]]:
+  """Everything to run, in order."""
+  if args.stop:
+    return [_ssh(args, 'pkill -TERM -f trainer.train || true')]
+  steps = []
+  if not args.skip_setup:
+    excludes = [f'--exclude=./{e}' for e in EXCLUDES]
+    steps += [
+        ['tar', 'czf', ARCHIVE, *excludes, '.'],
+        _gcloud(args, 'scp', ARCHIVE, f'{args.tpu}:~/'),
+        _ssh(args, f'mkdir -p ~/{REMOTE_DIR} && tar xzf ~/ringtrain.tgz -C ~/{REMOTE_DIR} && '
+                   f'cd ~/{REMOTE_DIR} && python3 -m venv .venv && '
+                   ".venv/bin/pip install -q -e '.[tpu]'"),
+    ]
+  return steps + [_ssh(args, remote_command(args.command))]
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  for cmd in commands(args):
+    print(shlex.join(cmd), flush=True)
+    if args.dry_run:
+      continue
+    status = subprocess.call(cmd)
+    if status:
+      print(f'error: {cmd[0]} exited with status {status}', file=sys.stderr)
+      return status
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,153 @@
+"""Real multi-process runs on localhost: jax.distributed, gloo, launch.local."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_cli import DEFAULT, TINY
+from trainer import checkpoint
+
+RUN = TINY + ['--config.log_every=1', '--config.eval_every=0',
+              '--config.parallelism.collective_matmul=always']
+TRAIN = [sys.executable, '-m', 'trainer.train', '--config', DEFAULT]
+
+
+def _env(**extra):
+  env = {**os.environ, 'PYTHONUNBUFFERED': '1', **extra}
+  env.pop('RINGTRAIN_CPU_DEVICES', None)
+  return {**env, **extra}
+
+
+def _launch(workdir, *overrides, processes=2, timeout=300):
+  """launch.local with 2 processes x 4 devices; returns (status, output)."""
+  cmd = [sys.executable, '-m', 'launch.local', '--num_processes', str(processes), '--',
+         *TRAIN, '--workdir', str(workdir), *RUN, *overrides]
+  done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                        timeout=timeout, check=False)
+  return done.returncode, done.stdout + done.stderr
+
+
+def _single(workdir, *overrides):
+  done = subprocess.run([*TRAIN, '--workdir', str(workdir), *RUN, *overrides], cwd=ROOT,
+                        env=_env(), capture_output=True, text=True, timeout=300, check=False)
+  return done.returncode, done.stdout + done.stderr
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return {r['step']: r['loss'] for r in map(json.loads, f) if 'loss' in r}
+
+
+def test_two_processes_train_like_one(tmp_path):
+  code, out = _launch(tmp_path / 'two', '--config.steps=5')
+  assert code == 0, out
+  assert '(2 process(es))' in out and '[p1]' in out
+  assert os.path.exists(tmp_path / 'two' / 'logs' / 'process_1.log')
+  code, out = _single(tmp_path / 'one', '--config.steps=5')
+  assert code == 0, out
+  two, one = _losses(tmp_path / 'two'), _losses(tmp_path / 'one')
+  assert list(two) == [1, 2, 3, 4, 5]
+  np.testing.assert_allclose([two[s] for s in two], [one[s] for s in two], rtol=1e-5)
+
+
+def test_checkpoints_move_between_two_processes_and_one(tmp_path):
+  steps = ['--config.steps=6', '--config.checkpoint.every=3']
+  code, out = _launch(tmp_path / 'a', *steps, '--config.stop_after=3')
+  assert code == 0, out
+  code, out = _single(tmp_path / 'a', *steps)  # written by 2 processes, resumed by 1
+  assert code == 0 and 'resuming from step 3' in out, out
+  code, out = _single(tmp_path / 'b', *steps, '--config.stop_after=3')
+  assert code == 0, out
+  code, out = _launch(tmp_path / 'b', *steps)  # written by 1 process, resumed by 2
+  assert code == 0 and 'resuming from step 3' in out, out
+  a, b = _losses(tmp_path / 'a'), _losses(tmp_path / 'b')
+  assert list(a) == list(b) == list(range(1, 7))
+  np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
+  assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'a'))[-1] == 6
+
+
+def _children(pid: int) -> list[int]:
+  with open(f'/proc/{pid}/task/{pid}/children') as f:
+    return [int(p) for p in f.read().split()]
+
+
+def _process_id(pid: int) -> str:
+  with open(f'/proc/{pid}/environ', 'rb') as f:
+    env = dict(v.split(b'=', 1) for v in f.read().split(b'\0') if b'=' in v)
+  return env.get(b'RINGTRAIN_PROCESS_ID', b'').decode()
+
+
+def test_launcher_exits_nonzero_soon_after_a_process_dies(tmp_path):
+  cmd = [sys.executable, '-m', 'launch.local', '--num_processes', '2', '--',
+         *TRAIN, '--workdir', str(tmp_path / 'run'), *RUN, '--config.steps=100000',
+         '--config.checkpoint.every=0']
+  launcher = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  for line in launcher.stdout:
+    if line.startswith('[p0] step'):
+      break
+  victim = next(p for p in _children(launcher.pid) if _process_id(p) == '1')
+  os.kill(victim, signal.SIGKILL)
+  killed = time.time()
+  out = launcher.communicate(timeout=90)[0]
+  assert launcher.returncode != 0
+  assert time.time() - killed < 60
+  assert 'process 1 exited with status -9' in out and 'last lines of' in out
+
+
+def test_a_process_alone_notices_its_dead_peer(tmp_path):
+  """Without the launcher, the survivor exits non-zero once heartbeats stop."""
+  env = lambda i: _env(RINGTRAIN_COORDINATOR='127.0.0.1:' + str(_port()),
+                       RINGTRAIN_NUM_PROCESSES='2', RINGTRAIN_PROCESS_ID=str(i),
+                       RINGTRAIN_CPU_DEVICES='4')
+  first = env(0)
+  second = {**env(1), 'RINGTRAIN_COORDINATOR': first['RINGTRAIN_COORDINATOR']}
+  cmd = [*TRAIN, '--workdir', str(tmp_path / 'run'), *RUN, '--config.steps=100000',
+         '--config.checkpoint.every=0', '--config.distributed.heartbeat_timeout=10']
+  procs = [subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for e in (first, second)]
+  for line in procs[0].stdout:
+    if line.startswith('step'):
+      break
+  procs[1].kill()
+  killed = time.time()
+  procs[0].communicate(timeout=90)
+  assert procs[0].returncode != 0
+  assert time.time() - killed < 60
+  procs[1].wait()
+
+
+def _port():
+  from launch import local  # pylint: disable=import-outside-toplevel
+  return local.free_port()
+
+
+def test_bad_distributed_settings_exit_2(tmp_path, capsys):
+  from trainer import train  # pylint: disable=import-outside-toplevel
+  code = train.main(['--config', DEFAULT, '--workdir', str(tmp_path / 'x'),
+                     '--config.distributed.num_processes=2'])
+  assert code == 2
+  assert 'need an address host:port' in capsys.readouterr().err
+
+
+def test_tpu_pod_dry_run_prints_worker_all_commands(capsys):
+  from launch import tpu_pod  # pylint: disable=import-outside-toplevel
+  code = tpu_pod.main(['--tpu', 'my-v4', '--zone', 'us-central2-b', '--project', 'proj',
+                       '--dry_run', '--', 'python', '-m', 'trainer.train', '--config',
+                       'configs/dense_10b.py'])
+  out = capsys.readouterr().out
+  assert code == 0
+  ssh = [l for l in out.splitlines() if 'tpu-vm ssh' in l]
+  assert ssh and all('--worker=all' in l and 'my-v4' in l and '--zone=us-central2-b' in l
+                     and '--project=proj' in l for l in ssh)
+  assert any('trainer.train' in l and 'distributed.auto=True' in l for l in ssh)
+  assert any('tpu-vm scp' in l for l in out.splitlines())
+  code = tpu_pod.main(['--tpu', 'my-v4', '--zone', 'z', '--dry_run', '--stop'])
+  assert code == 0 and 'pkill' in capsys.readouterr().out
