@@ -199,8 +199,9 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log) -> dic
   finally:
     writer.close()
   if cfg.stop_after and cfg.stop_after < cfg.steps:
-    log(f'stopped after step {cfg.stop_after} of {cfg.steps} (stop_after); run the same '
-        'command without stop_after to continue')
+    log(f'stopped after step {cfg.stop_after} of {cfg.steps} (stop_after); ' + (
+        'run the same command without stop_after to continue' if policy.every else
+        'checkpointing is off (checkpoint.every=0): nothing was saved to continue from'))
   return eval_record
 
 
