@@ -24,6 +24,8 @@ setup(
         'protobuf==7.36.2',
         'safetensors==0.8.0',    # Hugging Face weights, read without pickle
         'matplotlib==3.11.2',    # plots of docs/benchmarks.md (benchmarks/report.py)
+        'tokenizers==0.23.3',    # Hugging Face tokenizer.json files (trainer/tokenizer.py)
+        'sentencepiece==0.2.3',  # SentencePiece .model files (trainer/tokenizer.py)
     ],
     extras_require={
         'test': ['pytest==9.2.0', 'hypothesis==6.170.17',

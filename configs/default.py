@@ -76,6 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.path = ''            # '' embedded corpus | 'synthetic' | text file or glob | .npy/.bin tokens
   c.data.bin_dtype = 'uint16' # dtype of raw .bin token files: uint16 | uint32
   c.data.eval_fraction = 0.1  # held-out tail of the token stream
+  # Text tokenizer (trainer/tokenizer.py): '' byte-level | a local tokenizer.json
+  # (Hugging Face) | a SentencePiece .model | a directory holding one. Never downloaded.
+  c.data.tokenizer = ''
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 2             # data parallel (in-slice); one size may be -1

@@ -154,16 +154,27 @@ def peek_model_config(path: str) -> dict:
   """The model config stored with the checkpoint at ``path``, read without starting JAX.
 
   For config files (``configs/finetune.py``), which run before the devices are
-  set up. Reads the JSON file that ``ocp.args.JsonSave`` writes for ``meta``.
+  set up.
+  """
+  try:
+    return peek_meta(path)['model']
+  except (KeyError, TypeError) as e:
+    raise CheckpointError(f'{path}: no model config in the checkpoint metadata '
+                          f'({type(e).__name__})') from None
+
+
+def peek_meta(path: str) -> dict:
+  """The metadata of the checkpoint at ``path``, read without starting JAX.
+
+  Reads the JSON file that ``ocp.args.JsonSave`` writes for ``meta``.
   """
   directory, step = resolve(path)
   meta_file = os.path.join(directory, str(step), 'meta', 'metadata')
   try:
     with open(meta_file, encoding='utf-8') as f:
-      meta = json.load(f)
-    return meta['model']
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise CheckpointError(f'{meta_file}: no model config in the checkpoint metadata '
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f'{meta_file}: cannot read the checkpoint metadata '
                           f'({type(e).__name__})') from None
 
 

@@ -3,12 +3,14 @@
 Sources (``data.path``):
   * ``''``: the embedded default corpus, the Python standard library source of
     the running interpreter (the ``*.py`` files directly in the directory of the
-    ``os`` module, sorted by name, concatenated), byte-level tokens;
-  * a text file or glob: byte-level tokens, one document per file;
+    ``os`` module, sorted by name, concatenated), as text;
+  * a text file or glob: text, one document per file;
   * ``.npy`` / ``.bin`` (raw ``data.bin_dtype``) arrays of token ids;
   * ``'synthetic'``: uniformly random tokens (for benchmarks).
 
-Documents are joined with an end-of-document token; the last
+Text is tokenized with ``data.tokenizer`` (trainer/tokenizer.py: byte-level by
+default, or a local Hugging Face / SentencePiece file). Documents are joined
+with an end-of-document token (none if the tokenizer has none); the last
 ``data.eval_fraction`` of the stream is held out. The batch for step k is a
 pure function of (seed, k): a resumed run sees exactly the batches it would
 have seen. Each process materializes only the rows of the global batch that
@@ -26,9 +28,11 @@ from typing import Any
 import jax
 import numpy as np
 
-BYTE_VOCAB = 256
-EOS_ID = 256  # end of document; follows every document in the stream
-TOKENIZER_VOCAB = 257
+from trainer import tokenizer as tokenizer_lib
+
+BYTE_VOCAB = tokenizer_lib.BYTE_VOCAB
+EOS_ID = tokenizer_lib.EOS_ID  # end of document; follows every document in the stream
+TOKENIZER_VOCAB = tokenizer_lib.BYTE_TOKENIZER_VOCAB
 
 
 def default_corpus_files() -> list[str]:
@@ -36,13 +40,22 @@ def default_corpus_files() -> list[str]:
   return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), '*.py')))
 
 
-def encode_documents(docs: list[bytes]) -> np.ndarray:
-  """Byte-level tokenizer: each byte is its own id; EOS_ID after each document."""
-  parts = []
-  for doc in docs:
-    parts.append(np.frombuffer(doc, np.uint8).astype(np.int32))
-    parts.append(np.array([EOS_ID], np.int32))
-  return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+def encode_documents(docs: list[bytes], tok: tokenizer_lib.Tokenizer | None = None):
+  """(token stream, UTF-8 bytes per token): ``tok`` ids, its EOS after each document.
+
+  Byte-level by default (each byte its own id). End-of-document tokens account
+  for -1 bytes: they are not text (bits per byte leaves them out).
+  """
+  tok = tok or tokenizer_lib.ByteTokenizer()
+  texts = docs if tok.byte_level else [d.decode('utf-8', errors='replace') for d in docs]
+  eos = [] if tok.eos_id is None else [tok.eos_id]
+  ids, counts = [], []
+  for doc_ids, doc_bytes in tok.encode_documents(texts):
+    ids += [doc_ids, np.array(eos, np.int32)]
+    counts += [doc_bytes, np.full(len(eos), -1, np.int32)]
+  if not ids:
+    return np.zeros((0,), np.int32), np.zeros((0,), np.int32)
+  return np.concatenate(ids), np.concatenate(counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +66,22 @@ class Corpus:
   byte_level: bool  # tokens < BYTE_VOCAB are bytes (bits per byte is defined)
   eos_id: int | None
   description: str
+  # Text through another tokenizer: UTF-8 bytes each held-out token accounts for
+  # (-1: end of document), which keeps bits per byte defined.
+  eval_bytes: np.ndarray | None = None
 
 
 def load_corpus(data_cfg: Any, vocab_size: int, seed: int) -> Corpus:
   """Reads ``data.path``; raises ValueError naming the problem."""
   path = data_cfg.path
-  byte_level, eos = True, EOS_ID
+  spec = data_cfg.get('tokenizer', '')
+  tok = tokenizer_lib.load(spec)
+  if spec or not (path == 'synthetic' or path.endswith(('.npy', '.bin'))):  # text data
+    tokenizer_lib.check_vocab(tok, vocab_size)
+  byte_level, eos, counts = tok.byte_level, tok.eos_id, None
   if path == '':
     files = default_corpus_files()
-    tokens = _read_text(files)
+    tokens, counts = _read_text(files, tok)
     desc = f'embedded corpus: {len(files)} files from {os.path.dirname(os.__file__)}'
   elif path == 'synthetic':
     rng = np.random.default_rng(seed)
@@ -74,28 +94,30 @@ def load_corpus(data_cfg: Any, vocab_size: int, seed: int) -> Corpus:
     files = sorted(glob.glob(path))
     if not files:
       raise ValueError(f'data.path={path!r} matches no file')
-    tokens = _read_text(files)
+    tokens, counts = _read_text(files, tok)
     desc = f'{len(files)} text file(s) from {path}'
-  if byte_level and vocab_size < TOKENIZER_VOCAB:
-    raise ValueError(f'model.vocab_size={vocab_size} is below the byte '
-                     f'tokenizer vocabulary ({TOKENIZER_VOCAB})')
+  if counts is not None and not tok.byte_level:
+    desc += f', tokenized with {tok.name}' + (
+        '' if eos is not None else ' (it has no end-of-document token: documents are '
+        'concatenated)')
   if tokens.size and int(tokens.max()) >= vocab_size:
     raise ValueError(f'data.path={path!r} has token id {int(tokens.max())} >= '
                      f'model.vocab_size={vocab_size}')
   if not 0 < data_cfg.eval_fraction < 1:
     raise ValueError(f'data.eval_fraction={data_cfg.eval_fraction} is not in (0, 1)')
   split = int(len(tokens) * (1 - data_cfg.eval_fraction))
-  return Corpus(tokens[:split], tokens[split:], byte_level, eos, desc)
+  eval_bytes = None if byte_level or counts is None else counts[split:]
+  return Corpus(tokens[:split], tokens[split:], byte_level, eos, desc, eval_bytes)
 
 
-def _read_text(files: list[str]) -> np.ndarray:
+def _read_text(files: list[str], tok) -> tuple[np.ndarray, np.ndarray]:
   docs = []
   for name in files:
     with open(name, 'rb') as f:
       docs.append(f.read())
   if not sum(len(d) for d in docs):
     raise ValueError(f'corpus is empty: {len(files)} file(s), 0 bytes')
-  return encode_documents(docs)
+  return encode_documents(docs, tok)
 
 
 def _read_token_file(path: str, bin_dtype: str) -> np.ndarray:
@@ -153,9 +175,16 @@ def train_rows(corpus: Corpus, seed: int, step: int, batch_size: int,
 
 def eval_rows(corpus: Corpus, index: int, batch_size: int, seq_len: int,
               rows: np.ndarray) -> dict[str, np.ndarray]:
-  """Rows of held-out batch ``index``: consecutive, non-overlapping windows."""
+  """Rows of held-out batch ``index``: consecutive, non-overlapping windows.
+
+  With a tokenizer other than bytes, ``target_bytes`` holds the UTF-8 bytes
+  each target accounts for (-1: end of document).
+  """
   starts = (index * batch_size + np.arange(batch_size)) * seq_len
-  return _windows(corpus.eval, starts[rows], seq_len, corpus.eos_id)
+  out = _windows(corpus.eval, starts[rows], seq_len, corpus.eos_id)
+  if corpus.eval_bytes is not None:
+    out['target_bytes'] = corpus.eval_bytes[starts[rows][:, None] + 1 + np.arange(seq_len)]
+  return out
 
 
 def local_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> np.ndarray:

@@ -87,7 +87,9 @@ def make_eval_step(graphdef: nnx.GraphDef, byte_vocab: int | None):
   """Builds ``eval_step(params, batch) -> sums`` of nats and counts.
 
   Bits per byte counts only targets that are bytes (ids below ``byte_vocab``);
-  end-of-document tokens are in the loss but carry no bytes.
+  end-of-document tokens are in the loss but carry no bytes. Batches of text
+  through another tokenizer carry ``target_bytes`` (UTF-8 bytes per target,
+  -1 at end of document; trainer/data.py), which then gives the byte count.
   """
 
   def eval_step(params, batch):
@@ -95,7 +97,11 @@ def make_eval_step(graphdef: nnx.GraphDef, byte_vocab: int | None):
     logits = model(batch['inputs'], batch['positions'], batch['segments'])
     _, (_, nll_bt) = cross_entropy(logits, batch['targets'], 0.0)
     out = {'nats': jnp.sum(nll_bt), 'tokens': jnp.float32(nll_bt.size)}
-    if byte_vocab is not None:
+    if 'target_bytes' in batch:
+      text_bt = batch['target_bytes'] >= 0
+      out['byte_nats'] = jnp.sum(jnp.where(text_bt, nll_bt, 0.0))
+      out['bytes'] = jnp.sum(jnp.where(text_bt, batch['target_bytes'], 0).astype(jnp.float32))
+    elif byte_vocab is not None:
       is_byte = batch['targets'] < byte_vocab
       out['byte_nats'] = jnp.sum(jnp.where(is_byte, nll_bt, 0.0))
       out['bytes'] = jnp.sum(is_byte.astype(jnp.float32))
