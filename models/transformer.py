@@ -2,7 +2,8 @@
 
 Token embedding, RMSNorm, rotary position embedding, grouped-query attention,
 SwiGLU MLP, optional tied embeddings, causal masking that also stops attention
-across packed document boundaries, optional scan over layers and remat.
+across packed document boundaries, optional scan over layers and remat, and a decode path with a key/value cache
+(``init_cache``, ``decode``) for generation.
 
 Every weight names its logical axes (``embed``, ``mlp``, ``heads``,
 ``kv_heads``, ``head_dim``, ``vocab``, ``layers``); activations are declared
@@ -115,6 +116,7 @@ def rotary(x_btnh: jax.Array, positions_bt: jax.Array, theta: float):
 
 
 RESIDUAL = ('batch', 'residual_length', 'embed')
+CACHE = ('batch', 'cache_length', 'kv_heads', 'head_dim')  # one layer's keys or values
 
 
 class Attention(nnx.Module):
@@ -130,6 +132,27 @@ class Attention(nnx.Module):
                         n * h, scale=(2 * cfg.num_layers) ** -0.5)
 
   def __call__(self, x_btd, positions_bt, segments_bt):
+    q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
+    return self._out(attend(q_btnh, k_btkh, v_btkh, segments_bt))
+
+  def decode(self, x_btd, positions_bt, cache, index):
+    """Attention of ``t`` new tokens to the cache, after writing theirs at ``index``.
+
+    ``cache`` holds this layer's ``k`` and ``v``, ``[b, s, kv_heads, head_dim]``
+    (axes ``CACHE``); row r's new tokens sit at ``index .. index + t - 1`` and
+    each attends to the cache slots up to its position. Returns the output and
+    the updated cache.
+    """
+    q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
+    write = lambda c, new: self.ops.constrain(jax.lax.dynamic_update_slice_in_dim(
+        c, new.astype(c.dtype), index, axis=1), CACHE)
+    k_bskh, v_bskh = write(cache['k'], k_btkh), write(cache['v'], v_btkh)
+    mask_bts = jnp.arange(k_bskh.shape[1])[None, None, :] <= positions_bt[:, :, None]
+    out_btnh = attend_masked(q_btnh, k_bskh, v_bskh, mask_bts)
+    return self._out(out_btnh), {'k': k_bskh, 'v': v_bskh}
+
+  def _qkv(self, x_btd, positions_bt):
+    """Query, key and value projections, rotated by position."""
     cfg, ops, dt = self.cfg, self.ops, jnp.dtype(self.cfg.dtype)
     proj = lambda eq, w, w_axes, out_axes, name: ops.einsum(
         eq, x_btd, w[...].astype(dt), x_axes=RESIDUAL, w_axes=w_axes,
@@ -142,7 +165,11 @@ class Attention(nnx.Module):
                   ('batch', 'length', 'kv_heads', 'head_dim'), 'v')
     q_btnh = rotary(q_btnh, positions_bt, cfg.rope_theta)
     k_btkh = rotary(k_btkh, positions_bt, cfg.rope_theta)
-    out_btnh = attend(q_btnh, k_btkh, v_btkh, segments_bt)
+    return q_btnh, k_btkh, v_btkh
+
+  def _out(self, out_btnh):
+    """The output projection back to the residual stream."""
+    ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     out_btnh = ops.constrain(out_btnh, ('batch', 'length', 'heads', 'head_dim'))
     return ops.einsum('btnh,nhd->btd', out_btnh, self.o_nhd[...].astype(dt),
                       x_axes=('batch', 'length', 'heads', 'head_dim'),
@@ -152,14 +179,20 @@ class Attention(nnx.Module):
 
 def attend(q_btnh, k_bskh, v_bskh, segments_bt):
   """Causal softmax attention that never crosses a packed-document boundary."""
+  t = q_btnh.shape[1]
+  causal_ts = jnp.tril(jnp.ones((t, t), bool))
+  same_doc_bts = segments_bt[:, :, None] == segments_bt[:, None, :]
+  return attend_masked(q_btnh, k_bskh, v_bskh, causal_ts[None] & same_doc_bts)
+
+
+def attend_masked(q_btnh, k_bskh, v_bskh, mask_bts):
+  """Softmax attention of queries t to keys s where ``mask_bts`` is True."""
   b, t, n, h = q_btnh.shape
   k = k_bskh.shape[2]
   q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
   logits = jnp.einsum('btkgh,bskh->bkgts', q_btkgh, k_bskh,
                       preferred_element_type=jnp.float32) * h ** -0.5
-  causal_ts = jnp.tril(jnp.ones((t, t), bool))
-  same_doc_bts = segments_bt[:, :, None] == segments_bt[:, None, :]
-  mask = (causal_ts[None] & same_doc_bts)[:, None, None]
+  mask = mask_bts[:, None, None]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v_bskh.dtype)
   out = jnp.einsum('bkgts,bskh->btkgh', probs, v_bskh,
@@ -213,6 +246,12 @@ class Block(nnx.Module):
     else:
       y_btd, aux = self.mlp(self.mlp_norm(x_btd)), zero_aux(self.num_experts)
     return self.ops.constrain(x_btd + y_btd, RESIDUAL), aux
+
+  def decode(self, x_btd, positions_bt, cache, index):
+    """Like ``__call__`` for new tokens with a key/value cache (dense blocks only)."""
+    y_btd, cache = self.attn.decode(self.attn_norm(x_btd), positions_bt, cache, index)
+    x_btd = x_btd + y_btd
+    return self.ops.constrain(x_btd + self.mlp(self.mlp_norm(x_btd)), RESIDUAL), cache
 
 
 class BlockGroup(nnx.Module):
@@ -268,6 +307,15 @@ class Transformer(nnx.Module):
     x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
     x_btd = ops.constrain(x_btd, RESIDUAL)
     x_btd, aux = self._run_blocks(x_btd, positions_bt, segments_bt)
+    logits = self._logits(x_btd)
+    if not return_aux:
+      return logits
+    moe_layers = max(sum(map(cfg.moe.is_moe_layer, range(cfg.num_layers))), 1)
+    return logits, jax.tree.map(lambda a: a / moe_layers, aux)
+
+  def _logits(self, x_btd):
+    """Final norm and output layer: fp32 logits."""
+    cfg, ops, dt = self.cfg, self.ops, jnp.dtype(self.cfg.dtype)
     x_btd = self.final_norm(x_btd)
     if cfg.tie_embeddings:
       w_dv, eq, w_axes = self.embed_vd[...], 'btd,vd->btv', ('vocab', 'embed')
@@ -276,10 +324,45 @@ class Transformer(nnx.Module):
     logits = ops.einsum(eq, x_btd, w_dv.astype(dt),
                         x_axes=RESIDUAL, w_axes=w_axes,
                         out_axes=('batch', 'length', 'vocab'), name='unembed')
-    if not return_aux:
-      return logits.astype(jnp.float32)
-    moe_layers = max(sum(map(cfg.moe.is_moe_layer, range(cfg.num_layers))), 1)
-    return logits.astype(jnp.float32), jax.tree.map(lambda a: a / moe_layers, aux)
+    return logits.astype(jnp.float32)
+
+  # --- Generation: a key/value cache of every layer, written at positions.
+
+  def init_cache(self, batch: int, length: int) -> dict:
+    """Empty keys and values ``[layers, batch, length, kv_heads, head_dim]``."""
+    cfg = self.cfg
+    if cfg.moe.enabled:
+      raise ValueError(f'decoding with a cache supports dense models; this one has '
+                       f'moe.num_experts={cfg.moe.num_experts} (MoE layers route whole '
+                       'sequences with a capacity, which a token at a time does not reproduce)')
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = self.ops.constrain(jnp.zeros(shape, cfg.dtype), ('layers',) + CACHE)
+    return {'k': zeros, 'v': zeros}
+
+  def decode(self, tokens_bt, index, cache):
+    """Logits of ``tokens_bt`` placed at positions ``index ..`` of one document per row.
+
+    Writes their keys and values into ``cache`` (from ``init_cache``) and
+    attends to everything written at earlier positions; ``index`` may be
+    traced. Prefill is a call with the whole prompt at index 0, then one token
+    at a time. Returns (fp32 logits ``[b, t, vocab]``, the updated cache).
+    """
+    dt = jnp.dtype(self.cfg.dtype)
+    positions_bt = jnp.broadcast_to(index + jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(dt)
+    x_btd = self.ops.constrain(x_btd, RESIDUAL)
+    if self.cfg.scan_layers:
+      graphdef, state = nnx.split(self.blocks)
+
+      def body(x, layer):
+        s, c = layer
+        return nnx.merge(graphdef, s).decode(x, positions_bt, c, index)
+      x_btd, cache = jax.lax.scan(body, x_btd, (state, cache))
+    else:
+      for i, block in enumerate(self.blocks):
+        x_btd, c = block.decode(x_btd, positions_bt, jax.tree.map(lambda a: a[i], cache), index)
+        cache = jax.tree.map(lambda a, new: a.at[i].set(new), cache, c)
+    return self._logits(x_btd), cache
 
   def _run_blocks(self, x_btd, positions_bt, segments_bt):
     """Applies the blocks, as a Python loop or a scan, with optional remat.
