@@ -243,3 +243,29 @@ def test_export_refuses_a_missing_checkpoint(tmp_path, capsys):
   assert convert.main(['hf-export', '--checkpoint', str(tmp_path / 'none'),
                        '--out_dir', str(out)]) == 2
   assert 'does not exist' in capsys.readouterr().err and not out.exists()
+
+
+def test_import_carries_the_tokenizer_to_generate_and_finetune(hf_dir, tmp_path, capsys):
+  """tokenizer.json and tokenizer_config.json travel with the checkpoint and are used."""
+  from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
+  from trainer import config as config_lib, generate, tokenizer  # pylint: disable=g-import-not-at-top
+  src, out = tmp_path / 'src', tmp_path / 'out'
+  os.makedirs(src)
+  for name in os.listdir(hf_dir):
+    os.link(os.path.join(hf_dir, name), src / name)
+  vocab = {w: i for i, w in enumerate(['<unk>', '</s>'] + [f'w{i}' for i in range(90)])}
+  words = Tokenizer(models.WordLevel(vocab, unk_token='<unk>'))
+  words.pre_tokenizer = pre_tokenizers.Whitespace()
+  words.save(str(src / 'tokenizer.json'))
+  (src / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '</s>'}))
+  assert convert.main(['hf-import', '--hf_dir', str(src), '--out_dir', str(out)]) == 0
+  assert 'copied the tokenizer (tokenizer.json, tokenizer_config.json)' in capsys.readouterr().out
+  assert tokenizer.for_checkpoint(str(out)) == str(out / 'tokenizer.json')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cfg = config_lib.load(f'{os.path.join(root, "configs", "finetune.py")}:{out}')
+  assert cfg.data.tokenizer == str(out / 'tokenizer.json')
+  assert generate.main(['--checkpoint', str(out), '--prompt', 'w1 w2 w3',
+                        '--max_new_tokens', '4']) == 0
+  text = capsys.readouterr()
+  assert f'tokenizer {out / "tokenizer.json"} (92 tokens)' in text.err
+  assert text.out.startswith('w1 w2 w3')

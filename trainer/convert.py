@@ -7,7 +7,10 @@ r"""Converts Llama weights between Hugging Face safetensors and ringtrain.
 ``hf-import`` reads a Llama-architecture Hugging Face checkpoint (``config.json``
 and ``*.safetensors``, single or sharded with ``model.safetensors.index.json``)
 without pickle, maps it onto :class:`models.transformer.Transformer` and writes
-a params-only checkpoint that ``configs/finetune.py:OUT`` fine-tunes. ``--check``
+a params-only checkpoint that ``configs/finetune.py:OUT`` fine-tunes; the
+tokenizer files the directory has (``tokenizer.json``, ``tokenizer.model``,
+``tokenizer_config.json``) are copied to OUT, where ``trainer.generate`` and
+``configs/finetune.py`` find them (trainer/tokenizer.py). ``--check``
 first runs the Hugging Face model (transformers, CPU, fp32) and ours on the same
 random tokens and fails (exit 1, nothing written) if the logits differ by more
 than 1e-4. ``hf-export`` writes our params back as an fp32 Hugging Face Llama
@@ -24,6 +27,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 import sys
 
 import jax
@@ -453,9 +457,23 @@ def cmd_import(args) -> int:
   from trainer import checkpoint  # pylint: disable=g-import-not-at-top
   path = checkpoint.write_params(args.out_dir, params, dataclasses.asdict(cfg),
                                  source=f'hf:{os.path.abspath(args.hf_dir)}')
+  copied = copy_tokenizer(args.hf_dir, args.out_dir)
+  if copied:
+    print(f'copied the tokenizer ({", ".join(copied)}) to {args.out_dir}')
   print(f'wrote {path}\nfine-tune it with:\n  python -m trainer.train --config '
         f'configs/finetune.py:{args.out_dir} --workdir runs/finetune')
   return 0
+
+
+def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
+  """Copies the tokenizer files of ``hf_dir`` next to the checkpoint; returns their names."""
+  from trainer import tokenizer  # pylint: disable=g-import-not-at-top
+  names = [n for n in tokenizer.FILES if os.path.isfile(os.path.join(hf_dir, n))]
+  if names and os.path.isfile(os.path.join(hf_dir, 'tokenizer_config.json')):
+    names.append('tokenizer_config.json')  # names the end-of-document token
+  for name in names:
+    shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out_dir, name))
+  return names
 
 
 def export_hf(params: dict, cfg: TransformerConfig, out_dir: str) -> None:
