@@ -131,6 +131,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.heartbeat_timeout = 15    # a silent peer is declared dead after this (s)
   c.distributed.shutdown_timeout = 30     # seconds to wait for peers at exit
 
+  # jax.profiler trace of some steps and the train step's HLO, in WORKDIR/profile
+  # (trainer/profiling.py).
+  c.profile = ml_collections.ConfigDict()
+  c.profile.start_step = 5        # first traced update (0-based: metrics.jsonl calls it step 6)
+  c.profile.num_steps = 0         # updates traced (0: no trace)
+  c.profile.dump_hlo = False      # write the compiled train step's HLO text
+
   c.hardware = ml_collections.ConfigDict()
   c.hardware.name = 'cpu'         # profile: cpu | tpu_v4 | tpu_v5p | h100 | h200
   c.hardware.peak_flops = 0.0     # per-device peak override (0: from the profile)

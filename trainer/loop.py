@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from models.transformer import Transformer, count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding
-from trainer import checkpoint, data, metrics as metrics_lib, optim
+from trainer import checkpoint, data, metrics as metrics_lib, optim, profiling
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
@@ -149,6 +149,7 @@ def train(run) -> dict:
     s = setup(run, ckpt)
     start = time.perf_counter()
     train_step = s.train_step.lower(s.state, s.get_batch(s.start_step)).compile()
+    profiling.dump_hlo(cfg, run.workdir, train_step, log)
     flops_tok, peak = _announce(run, s, time.perf_counter() - start, log,
                                 write_report=is_main)
     if is_main:
@@ -168,13 +169,16 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log) -> dic
   meta = checkpoint_meta(run)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   state, window, eval_record = s.state, [], {}
+  tracer = profiling.StepTracer(cfg, run.workdir, s.start_step, log)
   tick = time.perf_counter()
   try:
     for step in range(s.start_step, last_step):
+      tracer.before(step)
       state, out = train_step(state, s.get_batch(step))
       # Waiting for every step keeps at most one sharded step in flight: queuing
       # several has deadlocked XLA's CPU collectives with many fake devices.
       out = jax.device_get(out)
+      tracer.after(step)
       window.append((out, time.perf_counter() - tick))
       done = step + 1
       _check_finite(out, done, cfg.on_nonfinite, ckpt)
@@ -197,6 +201,7 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log) -> dic
             '; checkpointing is off (checkpoint.every=0), nothing saved'), 143)
       tick = time.perf_counter()  # logging, eval and saving are not step time
   finally:
+    tracer.close()
     writer.close()
   if cfg.stop_after and cfg.stop_after < cfg.steps:
     log(f'stopped after step {cfg.stop_after} of {cfg.steps} (stop_after); ' + (
