@@ -78,15 +78,15 @@ class MoeConfig:
   def validate(self, num_layers: int) -> None:
     if not self.enabled:
       return
-    checks = [(self.top_k, 1 <= self.top_k <= self.num_experts, f'in [1, num_experts]'),
-              (self.every, 1 <= self.every <= num_layers, 'in [1, model.num_layers]'),
-              (self.capacity_factor, self.capacity_factor > 0, '> 0'),
-              (self.overlap_chunks, self.overlap_chunks >= 1, '>= 1'),
-              (self.mlp_dim, self.mlp_dim >= 1, '>= 1')]
-    names = ('top_k', 'every', 'capacity_factor', 'overlap_chunks', 'mlp_dim')
-    for name, (value, ok, need) in zip(names, checks):
+    checks = {'top_k': 1 <= self.top_k <= self.num_experts,
+              'every': 1 <= self.every <= num_layers,
+              'capacity_factor': self.capacity_factor > 0,
+              'overlap_chunks': self.overlap_chunks >= 1, 'mlp_dim': self.mlp_dim >= 1}
+    need = {'top_k': 'in [1, num_experts]', 'every': 'in [1, model.num_layers]',
+            'capacity_factor': '> 0', 'overlap_chunks': '>= 1', 'mlp_dim': '>= 1'}
+    for name, ok in checks.items():
       if not ok:
-        raise ValueError(f'moe.{name}={value} must be {need}')
+        raise ValueError(f'moe.{name}={getattr(self, name)} must be {need[name]}')
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.model.num_kv_heads=3'], 'num_kv_heads=3'),
     (['--config.steps=0'], 'steps=0 must be at least 1'),
     (['--config.model.num_kv_heads=2'], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),
+    (['--config.moe.num_experts=4', '--config.moe.top_k=5'], 'moe.top_k=5 must be in'),
     (['--config.on_nonfinite=ignore'], "on_nonfinite='ignore' is not one of stop, skip"),
     (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),
