@@ -85,12 +85,15 @@ def default_run(steps: int = 40) -> dict:
 
 
 def measure_cpu() -> dict:
+  """Runs CPU_BENCHMARKS; ``load`` records the 1-minute load average before and after each."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  out = {}
+  out = {'load': {}}
   for i, (name, (argv, what)) in enumerate(CPU_BENCHMARKS.items()):
     progress(f'cpu {i + 1}/{len(CPU_BENCHMARKS)}: {name} ({what}): python {" ".join(argv)}')
     start = time.perf_counter()
+    before = os.getloadavg()[0]
     out[name] = run_json(argv, env)
+    out['load'][name] = [before, os.getloadavg()[0]]
     progress(f'cpu {i + 1}/{len(CPU_BENCHMARKS)}: {name} done in '
              f'{time.perf_counter() - start:.0f} s')
   return out
@@ -104,6 +107,8 @@ def measure_aot() -> dict:
     progress(f'aot {i + 1}/{len(AOT_CONFIGS)}: {name}: python {" ".join(argv)}')
     start = time.perf_counter()
     out[name] = run_json(argv, env)
+    for v in out[name]['variants'].values():  # the pair lists: python -m launch.aot --json
+      v.get('permute_pairs', {}).pop('pairs', None)
     progress(f'aot {i + 1}/{len(AOT_CONFIGS)}: {name} done in '
              f'{time.perf_counter() - start:.0f} s')
   return out
@@ -126,6 +131,11 @@ def render_cpu(cpu: dict, plots) -> list[str]:
            'On CPU a collective-permute is a synchronous copy between simulated devices: '
            'decomposition cannot hide anything there, so these measure what it costs '
            '(ratios near 1 are the goal), not a speedup.', '']
+  load = cpu.get('load')
+  if load:
+    lines += [f'The machine has {os.cpu_count()} cores; its 1-minute load average before and '
+              'after each benchmark (other processes share the cores and slow the timings): '
+              + ', '.join(f'{k} {a:.1f} -> {b:.1f}' for k, (a, b) in load.items()) + '.', '']
   ce = cpu.get('collective_einsum')
   if ce:
     lines += ['### Collective einsum overhead', '',
