@@ -249,17 +249,26 @@ def _prepare(args):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's notes on read-only checkpoints
   from launch import runtime  # pylint: disable=g-import-not-at-top
-  from trainer.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
   err = lambda *a: print(*a, file=sys.stderr, flush=True)
+  try:  # before anything imports JAX: it reads JAX_PLATFORMS when imported
+    runtime.configure_host(runtime.cpu_device_count(8), cpu_only=args.platform == 'cpu')
+  except ValueError as e:
+    err(f'error: {e}')
+    return 2
+  from trainer.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
   try:
     model_cfg, tok, prompt, spec = _prepare(args)
-    runtime.configure_host(runtime.cpu_device_count(8), cpu_only=args.platform == 'cpu')
     import jax  # pylint: disable=g-import-not-at-top
     tensor = args.tensor or tensor_size(model_cfg, jax.device_count())
     if tensor > jax.device_count():
       raise ValueError(f'--mesh.tensor={tensor} exceeds the {jax.device_count()} devices')
-    model, _ = load_model(args.checkpoint, model_cfg, tensor)
+    try:
+      model, _ = load_model(args.checkpoint, model_cfg, tensor)
+    except ValueError as e:
+      raise ValueError(f'--mesh.tensor={tensor}: {e}') from None
   except (ConfigError, ValueError, CheckpointError) as e:
     err(f'error: {str(e).strip(chr(34))}')
     return 2
