@@ -257,7 +257,7 @@ def run_variant(args, overrides, name: str, topology: str) -> dict:
            topology, '--worker', name, '--out', out] + list(overrides)
     if args.hlo_dir:
       cmd += ['--hlo_dir', args.hlo_dir]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=root)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode or not os.path.exists(out):
       tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['(no output)']
       return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): {tail[0]}'}
