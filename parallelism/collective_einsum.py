@@ -236,6 +236,11 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   unroll = True if cfg.mesh.devices.flat[0].platform == 'cpu' else cfg.unroll
   body = functools.partial(_local, eq, plan, n, split, unroll, dtype)
   direction = 'bidirectional' if cfg.bidirectional else 'unidirectional'
+  # Collectives over other axes (an FSDP weight's gather) happen once, here,
+  # not once per ring step inside the loop, where the compiler would put them.
+  lhs_spec, rhs_spec = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, lhs_spec))
+  rhs = jax.lax.with_sharding_constraint(rhs, NamedSharding(cfg.mesh, rhs_spec))
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
     return jax.shard_map(body, mesh=cfg.mesh,
@@ -243,6 +248,28 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
                                    only(cfg.rhs_spec)),
                          out_specs=only(cfg.out_spec), axis_names={cfg.axis})(
                              ring.ring_positions(n), lhs, rhs)
+
+
+def hoisted_specs(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec):
+  """Operand specs for the ring: other mesh axes kept only where no collective needs them.
+
+  An operand dimension keeps a mesh axis other than the ring's ``axis`` when
+  the output shards that letter over it too, or when the letter is contracted
+  and the other operand shards it the same way (partial sums, reduced after).
+  Any other use (an FSDP weight's ``embed`` over ``fsdp`` against unsharded
+  activations) is dropped, so the operand is gathered once before the ring.
+  """
+  out = einsum_plan.letter_axes(eq.out, out_spec)
+  sides = ((eq.lhs, einsum_plan.letter_axes(eq.lhs, lhs_spec), eq.rhs, rhs_spec),
+           (eq.rhs, einsum_plan.letter_axes(eq.rhs, rhs_spec), eq.lhs, lhs_spec))
+  specs = []
+  for letters, axes, other_letters, other_spec in sides:
+    other = einsum_plan.letter_axes(other_letters, other_spec)
+    keep = lambda l, a: (a == axis or a in out.get(l, ()) or
+                         (l not in eq.out and a in other.get(l, ())))
+    entries = [tuple(a for a in axes[l] if keep(l, a)) for l in letters]
+    specs.append(PartitionSpec(*[e[0] if len(e) == 1 else (e or None) for e in entries]))
+  return tuple(specs)
 
 
 def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, ids, lhs, rhs):

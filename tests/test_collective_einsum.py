@@ -242,3 +242,18 @@ def test_cost_model_formula_by_hand():
   assert est.seconds['none'] == pytest.approx(4 * c + 3 * t / 2)
   assert est.seconds['unidirectional'] == pytest.approx(c + 3 * max(c, t))
   assert est.seconds['bidirectional'] == pytest.approx(c + 2 * max(2 * c, t))
+
+
+def test_other_axes_are_gathered_before_the_ring_not_inside_it():
+  """An FSDP weight is gathered once before the ring; partial sums keep their sharding."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from parallelism.collective_einsum import hoisted_specs  # pylint: disable=import-outside-toplevel
+  from parallelism.einsum_plan import Equation  # pylint: disable=import-outside-toplevel
+  batch = ('data', 'fsdp')
+  fwd = hoisted_specs(Equation.parse('btd,df->btf'), 'tensor', P(batch, 'tensor', None),
+                      P('fsdp', 'tensor'), P(batch, None, 'tensor'))
+  assert fwd == (P(batch, 'tensor', None), P(None, 'tensor'))
+  weight_grad = hoisted_specs(Equation.parse('btd,btf->df'), 'tensor',
+                              P(batch, 'tensor', None), P(batch, None, 'tensor'),
+                              P('fsdp', 'tensor'))
+  assert weight_grad == (P(batch, 'tensor', None), P(batch, None, 'tensor'))
