@@ -14,7 +14,8 @@ Every number comes from a command run now, in a subprocess:
 
 Raw results go to docs/benchmarks/results.json, plots to docs/benchmarks/*.png.
 ``--only cpu`` (or ``aot``) re-measures one part and keeps the other from the
-previous results.json. Re-running regenerates the same files from fresh
+previous results.json; ``--only aot --configs NAME ...`` re-measures those
+paper-scale configs only. Each part records the commit it was measured at. Re-running regenerates the same files from fresh
 measurements.
 """
 
@@ -47,11 +48,11 @@ CPU_BENCHMARKS = {
                    'train step with every dense layer decomposed vs none'),
     'default_run': (['-m', 'benchmarks.report', '--default_run'],
                     'tokens/s and MFU of configs/default.py (40 steps)'),
-    # MoE overhead goes here: 'moe': (['-m', 'benchmarks.moe', '--json'], ...), with a
-    # section in render() below. Not run until benchmarks/moe.py is in place.
+    'moe': (['-m', 'benchmarks.moe', '--json'],
+            'MoE layer with the expert all-to-all chunked vs single'),
 }
 # Paper-scale configs compiled ahead of time for their TPU slice (configs/<name>.py).
-AOT_CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b']  # MoE: add 'moe_1t' here
+AOT_CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
 
 
 def progress(message: str) -> None:
@@ -99,17 +100,17 @@ def measure_cpu() -> dict:
   return out
 
 
-def measure_aot() -> dict:
+def measure_aot(names: list[str]) -> dict:
   env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
   out = {}
-  for i, name in enumerate(AOT_CONFIGS):
+  for i, name in enumerate(names):
     argv = ['-m', 'launch.aot', '--config', f'configs/{name}.py', '--json']
-    progress(f'aot {i + 1}/{len(AOT_CONFIGS)}: {name}: python {" ".join(argv)}')
+    progress(f'aot {i + 1}/{len(names)}: {name}: python {" ".join(argv)}')
     start = time.perf_counter()
     out[name] = run_json(argv, env)
     for v in out[name]['variants'].values():  # the pair lists: python -m launch.aot --json
       v.get('permute_pairs', {}).pop('pairs', None)
-    progress(f'aot {i + 1}/{len(AOT_CONFIGS)}: {name} done in '
+    progress(f'aot {i + 1}/{len(names)}: {name} done in '
              f'{time.perf_counter() - start:.0f} s')
   return out
 
@@ -170,6 +171,26 @@ def render_cpu(cpu: dict, plots) -> list[str]:
                       f'{r["always"]["decomposed_layers"]}/{r["always"]["dense_layers"]}']
                      for r in ts['results']])
     lines += ['', f'![train step]({plots["train_step"]})', '']
+  moe = cpu.get('moe')
+  if moe:
+    lines += ['### MoE expert all-to-all', '',
+              f'`python -m benchmarks.moe --json`: one MoE layer on {moe["device_count"]} devices '
+              f'(data=2 x expert=4), {moe["tokens_per_device"]} tokens per device, '
+              f'd_model {moe["shape"]["d_model"]}, {moe["shape"]["experts"]} experts, top-'
+              f'{moe["shape"]["top_k"]}; the all-to-all in chunks (`always`) vs one '
+              f'(`never`), median of {moe["repeats"]} alternating runs; target ratio <= '
+              f'{moe["target"]}.', '']
+    lines += _table(['chunks', 'chunk [e,b,c,d]', 'fwd single (s)', 'fwd chunked (s)',
+                     'fwd ratio', 'fwd+bwd single (s)', 'fwd+bwd chunked (s)',
+                     'fwd+bwd ratio', 'met'],
+                    [[r['chunks'], r['chunk_shape_e_b_c_d'],
+                      f'{r["forward"]["single_seconds"]:.3f}',
+                      f'{r["forward"]["chunked_seconds"]:.3f}', f'{r["forward"]["ratio"]:.3f}',
+                      f'{r["forward_backward"]["single_seconds"]:.3f}',
+                      f'{r["forward_backward"]["chunked_seconds"]:.3f}',
+                      f'{r["forward_backward"]["ratio"]:.3f}', 'yes' if r['met'] else 'no']
+                     for r in moe['results']])
+    lines += ['']
   dr = cpu.get('default_run')
   if dr:
     lines += ['### Default config', '',
@@ -352,6 +373,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--only', choices=('cpu', 'aot'), default=None,
                       help='re-measure one part; keep the other from results.json')
+  parser.add_argument('--configs', nargs='+', choices=AOT_CONFIGS, default=None,
+                      help='with --only aot: re-measure these configs, keep the others')
   parser.add_argument('--default_run', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.default_run:
@@ -374,7 +397,9 @@ def main(argv=None) -> int:
       results['aot_skipped'] = "libtpu is not installed (pip install -e '.[tpu]')"
       progress(f'aot: skipped, {results["aot_skipped"]}')
     else:
-      results['aot'] = measure_aot()
+      fresh = measure_aot(args.configs or AOT_CONFIGS)
+      results['aot'] = {name: fresh.get(name, results['aot'].get(name)) for name in AOT_CONFIGS
+                        if name in fresh or name in results['aot']}
   os.makedirs(OUT, exist_ok=True)
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(results, f, indent=1)

@@ -5,7 +5,7 @@ d_model 8192, 64 query heads of 128 over 8 key/value heads; every second block's
 MLP is 64 SwiGLU experts of width 19456 (top-2, capacity factor 1.25), the
 others dense SwiGLU 32768; vocabulary 32768. Mesh fsdp=16 x expert=64 on a
 v4:8x8x16 slice: each expert lives on one expert-axis slice, sharded 16 ways
-over fsdp; dense weights are sharded over both axes. Global batch 1024 x 2048
+over fsdp; dense weights are sharded over both axes. Global batch 1024 x 1024
 tokens, bf16 compute over fp32 master weights and AdamW state, full remat, the
 expert all-to-all in 2 chunks.
 
@@ -23,7 +23,7 @@ from configs import dense_500b
 def get_config() -> ml_collections.ConfigDict:
   c = dense_500b.get_config()  # bf16 compute, scan, remat, optimizer, tpu_v4
   c.batch_size = 1024
-  c.seq_len = 2048
+  c.seq_len = 1024
 
   c.model.d_model = 8192
   c.model.num_layers = 64

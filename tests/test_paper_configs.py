@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 from trainer import config as config_lib
 
 # configs/<name>.py; the size in the name (10b, 1t) is what the count must match.
-CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b']
+CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
 
 
 def _load(name):
