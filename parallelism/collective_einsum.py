@@ -222,8 +222,6 @@ def _transpose_einsum(cfg: _Static, a, b, dtype):
 def _ring_einsum(cfg: _Static, lhs, rhs):
   """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` only."""
   eq, plan = _axis_plan(cfg)
-  only = lambda spec: PartitionSpec(*[
-      cfg.axis if cfg.axis in einsum_plan.axes_of(e) else None for e in spec])
   n = cfg.mesh.shape[cfg.axis]
   split = ring.ring_split(n, cfg.bidirectional)
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
@@ -234,20 +232,58 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   # devices). On CPU the ring is therefore fully unrolled, so every step has
   # its own ops; other backends keep the loop and ``unroll``.
   unroll = True if cfg.mesh.devices.flat[0].platform == 'cpu' else cfg.unroll
-  body = functools.partial(_local, eq, plan, n, split, unroll, dtype)
   direction = 'bidirectional' if cfg.bidirectional else 'unidirectional'
   # Collectives over other axes (an FSDP weight's gather) happen once, here,
   # not once per ring step inside the loop, where the compiler would put them.
   lhs_spec, rhs_spec = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
   lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, lhs_spec))
   rhs = jax.lax.with_sharding_constraint(rhs, NamedSharding(cfg.mesh, rhs_spec))
+  # Axes that shard a contracted dim of both operands (a weight gradient's
+  # batch) are manual too: partial sums accumulate over the ring and are
+  # reduced once after it, not once per step.
+  summed = tuple(a for a in _summed_axes(eq, cfg.axis, lhs_spec, rhs_spec)
+                 if cfg.mesh.shape[a] > 1)
+  manual = (cfg.axis,) + summed
+  keep = lambda spec: PartitionSpec(*[
+      tuple(a for a in einsum_plan.axes_of(e) if a in manual) or None for e in spec])
+  scatter, out_spec = _reduction(eq, summed, cfg.out_spec, manual)
+  body = functools.partial(_local, eq, plan, n, split, unroll, dtype, manual, summed, scatter)
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
     return jax.shard_map(body, mesh=cfg.mesh,
-                         in_specs=(PartitionSpec(cfg.axis), only(cfg.lhs_spec),
-                                   only(cfg.rhs_spec)),
-                         out_specs=only(cfg.out_spec), axis_names={cfg.axis})(
+                         in_specs=(PartitionSpec(cfg.axis), keep(lhs_spec), keep(rhs_spec)),
+                         out_specs=out_spec, axis_names=set(manual))(
                              ring.ring_positions(n), lhs, rhs)
+
+
+def _summed_axes(eq: Equation, axis: str, lhs_spec, rhs_spec) -> tuple[str, ...]:
+  """Mesh axes (not ``axis``) sharding one contracted letter in both operands."""
+  lhs = einsum_plan.letter_axes(eq.lhs, lhs_spec)
+  rhs = einsum_plan.letter_axes(eq.rhs, rhs_spec)
+  out = []
+  for letter in eq.lhs:
+    if letter in eq.rhs and letter not in eq.out and lhs[letter] == rhs[letter]:
+      out += [a for a in lhs[letter] if a != axis and a not in out]
+  return tuple(out)
+
+
+def _reduction(eq: Equation, summed, out_spec, manual):
+  """(dims to psum_scatter {dim: axes}, the shard_map's out spec) for the summed axes.
+
+  An output dim sharded over summed axes only gets a reduce-scatter over them;
+  the remaining summed axes get an all-reduce.
+  """
+  out = einsum_plan.letter_axes(eq.out, out_spec)
+  scatter = {}
+  for dim, letter in enumerate(eq.out):
+    axes = out[letter]
+    if axes and all(a in summed for a in axes):
+      scatter[dim] = axes
+  spec = []
+  for dim, letter in enumerate(eq.out):
+    kept = scatter.get(dim) or tuple(a for a in out[letter] if a in manual and a not in summed)
+    spec.append((kept[0] if len(kept) == 1 else kept) if kept else None)
+  return scatter, PartitionSpec(*spec)
 
 
 def hoisted_specs(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec):
@@ -272,8 +308,28 @@ def hoisted_specs(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec):
   return tuple(specs)
 
 
-def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, ids, lhs, rhs):
-  """Per-device body: blocks along ``plan.axis`` are local, other axes global."""
+def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, manual, summed,
+           scatter, ids, lhs, rhs):
+  """Per-device body: blocks along the manual axes are local, other axes global.
+
+  The result holds partial sums over ``summed`` until the end, where each dim
+  in ``scatter`` is reduce-scattered over its axes and the rest all-reduced.
+  """
+  out = _ring_local(eq, plan, n, split, unroll, dtype, manual, ids, lhs, rhs)
+  if not summed:
+    return out
+  out = out.astype(_acc(dtype))  # sums in fp32 (XLA's CPU backend has no bf16 all-reduce)
+  scattered = set()
+  for dim, axes in scatter.items():
+    out = jax.lax.psum_scatter(out, axes, scatter_dimension=dim, tiled=True)
+    scattered.update(axes)
+  rest = tuple(a for a in summed if a not in scattered)
+  return (jax.lax.psum(out, rest) if rest else out).astype(dtype)
+
+
+def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, manual,
+                ids, lhs, rhs):
+  """The ring itself, on local blocks."""
   axis, acc_dtype, idx = plan.axis, _acc(dtype), ids[0]
   if plan.kind == 'reducescatter':
     z = plan.out_letter  # the scattered output dim, whole in its operand
@@ -298,7 +354,7 @@ def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, ids,
     out_dim = eq.out.index(x)
     out_shape = jax.eval_shape(lambda a, b: jnp.einsum(local_eq, a, b), g, o).shape
     out_shape = out_shape[:out_dim] + (m * n,) + out_shape[out_dim + 1:]
-    acc = jax.lax.pcast(jnp.zeros(out_shape, dtype), (axis,), to='varying')
+    acc = jax.lax.pcast(jnp.zeros(out_shape, dtype), manual, to='varying')
 
     def consume(acc, block, src):
       part = jnp.einsum(local_eq, block, o, preferred_element_type=acc_dtype)
@@ -308,7 +364,7 @@ def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, ids,
     out_shape = jax.eval_shape(
         lambda a, b: jnp.einsum(local_eq, a, jax.lax.dynamic_slice_in_dim(b, 0, m, o_dim)),
         g, o).shape
-    acc = jax.lax.pcast(jnp.zeros(out_shape, acc_dtype), (axis,), to='varying')
+    acc = jax.lax.pcast(jnp.zeros(out_shape, acc_dtype), manual, to='varying')
 
     def consume(acc, block, src):
       piece = jax.lax.dynamic_slice_in_dim(o, src * m, m, o_dim)

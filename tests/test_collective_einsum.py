@@ -257,3 +257,18 @@ def test_other_axes_are_gathered_before_the_ring_not_inside_it():
                               P(batch, 'tensor', None), P(batch, None, 'tensor'),
                               P('fsdp', 'tensor'))
   assert weight_grad == (P(batch, 'tensor', None), P(batch, None, 'tensor'))
+
+
+def test_weight_gradient_sums_over_batch_axes_once_after_the_ring(devices):
+  """A contracted dim sharded over data in both operands: partial sums, one reduction."""
+  mesh = _mesh(4, data=2)
+  eq, ls, rs, os_ = 'btd,btf->df', P(D, T, None), P(D, None, T), P(None, T)
+  x = jax.random.normal(jax.random.key(0), (4, 8, 6))
+  g = jax.random.normal(jax.random.key(1), (4, 8, 16))
+  f = jax.jit(lambda a, b: collective_einsum(eq, a, b, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                             out_spec=os_, mode='unidirectional'))
+  np.testing.assert_allclose(f(x, g), jnp.einsum(eq, x, g), rtol=1e-5, atol=1e-5)
+  hlo = f.lower(x, g).compile().as_text()
+  assert _collectives(hlo)['all-reduce'] == 1  # over data, after the ring
+  assert _collectives(hlo)['all-gather'] == 0
+  assert _executed_permutes(hlo) == 3
