@@ -220,7 +220,7 @@ def _transpose_einsum(cfg: _Static, a, b, dtype):
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs):
-  """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` only."""
+  """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` (and summed axes)."""
   eq, plan = _axis_plan(cfg)
   n = cfg.mesh.shape[cfg.axis]
   split = ring.ring_split(n, cfg.bidirectional)
