@@ -14,47 +14,18 @@ time (needs the tpu extra) and read memory fit and the modeled step time:
 
 import ml_collections
 
-from configs import default
+from configs import dense_500b
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = default.get_config()
-  c.steps = 100_000            # the LR schedule's length (AOT compiles one step)
-  c.batch_size = 256           # sequences: 8 per fsdp shard
-  c.seq_len = 2048
-  c.log_every = 10
-  c.eval_every = 1000
-  c.eval_steps = 8
-
-  c.model.vocab_size = 32768
+  c = dense_500b.get_config()  # batch, bf16 compute, scan, remat, optimizer, tpu_v4
   c.model.d_model = 5120
   c.model.num_layers = 32
   c.model.num_heads = 40
   c.model.num_kv_heads = 8
-  c.model.head_dim = 128
   c.model.mlp_dim = 15360
-  c.model.max_seq_len = 2048
-  c.model.norm_eps = 1e-5
-  c.model.dtype = 'bfloat16'       # compute
-  c.model.param_dtype = 'float32'  # master weights (and AdamW moments)
-  c.model.scan_layers = True       # one compiled block, not 32
-  c.model.remat = 'full'           # keep only each block's input for the backward pass
-
   c.optimizer.learning_rate = 3e-4
-  c.optimizer.warmup_steps = 2000
-  c.optimizer.weight_decay = 0.1
-
-  c.data.path = 'synthetic'        # point at real tokens (.npy/.bin) to train
-
-  c.mesh.data = 1
   c.mesh.fsdp = 32
   c.mesh.tensor = 4
-
-  # 'auto': the cost model (tpu_v4 profile) decides per layer.
-  c.parallelism.collective_matmul = 'auto'
-
-  c.hardware.name = 'tpu_v4'
-
-  c.aot = ml_collections.ConfigDict()
   c.aot.topology = 'v4:4x4x8'      # the slice launch.aot compiles for (--topology overrides)
   return c

@@ -136,25 +136,12 @@ def load(args, overrides) -> tuple:
 def _check(cfg, chips: int) -> dict:
   """What trainer.train checks before compiling, against the slice's chip count."""
   # pylint: disable=g-import-not-at-top
-  from flax import nnx
-  from models.transformer import Transformer, TransformerConfig, count_params
-  from parallelism import mesh as mesh_lib, sharding
-  from trainer import metrics
-  model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
-  model_cfg.validate()
-  sharding.MatmulPolicy.from_config(cfg).validate()
-  if cfg.seq_len > model_cfg.max_seq_len:
-    raise ValueError(f'seq_len={cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}')
+  from models.transformer import count_params
+  from parallelism import mesh as mesh_lib
+  from trainer import metrics, train
   sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)
   mesh = types.SimpleNamespace(shape={a: d * i for a, (d, i) in sizes.items()})
-  rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-  shards = sharding.mesh_axis_size(mesh, sharding.logical_to_spec(('batch',), rules)[0])
-  accum = cfg.optimizer.grad_accum_steps
-  if cfg.batch_size % (shards * accum):
-    raise ValueError(f'batch_size={cfg.batch_size} is not divisible by data*fsdp={shards}'
-                     f' x optimizer.grad_accum_steps={accum}')
-  params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
-  sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
+  model_cfg, params = train.check_layout(cfg, mesh.shape)
   return {'parameters': count_params(params),
           'mesh': ' x '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or '1 chip',
           'tokens_per_step': cfg.batch_size * cfg.seq_len,

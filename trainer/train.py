@@ -61,32 +61,46 @@ def _prepare(cfg, args) -> Run:
                          cpu_only=cfg.hardware.name == 'cpu')
   runtime.start_distributed(runtime.distributed_settings(cfg.distributed),
                             cpu=cfg.hardware.name == 'cpu')
-  from models.transformer import TransformerConfig  # pylint: disable=g-import-not-at-top
   from parallelism import hardware, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from trainer import data  # pylint: disable=g-import-not-at-top
-  model_cfg = TransformerConfig.from_config(cfg.model, cfg.moe)
-  model_cfg.validate()
   hardware.get_profile(cfg.hardware.name)
+  mesh = mesh_lib.make_mesh(cfg.mesh)
+  rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
+  model_cfg, params = check_layout(cfg, mesh.shape)
+  corpus = data.load_corpus(cfg.data, model_cfg.vocab_size, cfg.seed)
+  data.check_lengths(corpus, cfg.seq_len, cfg.batch_size, cfg.eval_steps)
+  workdir = args.workdir or os.path.join('runs', os.path.splitext(
+      os.path.basename(args.config.partition(':')[0]))[0])
+  resume_step = _check_checkpoints(cfg, workdir, model_cfg, params)
+  return Run(cfg, workdir, mesh, rules, model_cfg, corpus, resume_step)
+
+
+def check_layout(cfg, mesh_shape: dict):
+  """Checks model, policy, lengths and divisibility for a mesh of ``mesh_shape`` sizes.
+
+  Shapes only (no devices needed): the trainer and launch/aot.py (a TPU slice)
+  both call it. Returns (TransformerConfig, abstract parameters).
+  """
+  # pylint: disable=g-import-not-at-top
+  import types
+  from flax import nnx
+  from models.transformer import Transformer, TransformerConfig
+  from parallelism import sharding
+  model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
+  model_cfg.validate()
   sharding.MatmulPolicy.from_config(cfg).validate()
   if cfg.seq_len > model_cfg.max_seq_len:
     raise ValueError(f'seq_len={cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}')
-  corpus = data.load_corpus(cfg.data, model_cfg.vocab_size, cfg.seed)
-  data.check_lengths(corpus, cfg.seq_len, cfg.batch_size, cfg.eval_steps)
-  mesh = mesh_lib.make_mesh(cfg.mesh)
+  mesh = types.SimpleNamespace(shape=dict(mesh_shape))
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
   shards = sharding.mesh_axis_size(mesh, sharding.logical_to_spec(('batch',), rules)[0])
   accum = cfg.optimizer.grad_accum_steps
   if cfg.batch_size % (shards * accum):
     raise ValueError(f'batch_size={cfg.batch_size} is not divisible by data*fsdp={shards}'
                      f' x optimizer.grad_accum_steps={accum}')
-  workdir = args.workdir or os.path.join('runs', os.path.splitext(
-      os.path.basename(args.config.partition(':')[0]))[0])
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from models.transformer import Transformer  # pylint: disable=g-import-not-at-top
   params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
   sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
-  resume_step = _check_checkpoints(cfg, workdir, model_cfg, params)
-  return Run(cfg, workdir, mesh, rules, model_cfg, corpus, resume_step)
+  return model_cfg, params
 
 
 def _check_checkpoints(cfg, workdir: str, model_cfg, abstract_params) -> int | None:
