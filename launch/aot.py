@@ -214,7 +214,8 @@ def worker(args, overrides) -> int:
   chip = step_model.Chip.from_profile(chip_kind.name)
   if cfg.hardware.peak_flops > 0:
     chip = dataclasses.replace(chip, peak_flops=cfg.hardware.peak_flops)
-  result = step_model.analyze(text, chip, [tuple(d.coords) for d in mesh.devices.flat])
+  out['coords'] = [tuple(d.coords) for d in mesh.devices.flat]  # by partition id
+  result = step_model.analyze(text, chip, out['coords'])
   out['model'] = result.as_dict() | {'chip': dataclasses.asdict(chip)}
   out['jax'] = jax.__version__
   _write(args.out, out)
