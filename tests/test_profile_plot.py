@@ -4,6 +4,7 @@ import glob
 import gzip
 import json
 import os
+import sys
 
 import pytest
 
@@ -78,3 +79,10 @@ def test_plot_writes_pngs(run, tmp_path, capsys):
   assert 'eval_bpb.png: no run recorded eval_bpb; skipped' in capsys.readouterr().out
   assert plot.main([str(tmp_path / 'missing')]) == 2
   assert 'no metrics.jsonl' in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # its import now fails
+  assert plot.main([str(tmp_path)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == "error: plots need matplotlib: pip install -e '.[plot]'", err
