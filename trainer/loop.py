@@ -280,16 +280,10 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
       f'device ({peak_source})')
   # Tracing the step recorded every dense layer's decision in `ops`.
   layer_rows = report.rows(ops.decisions)
-  dense = [r for r in layer_rows if 'modeled_single_us' not in r]
-  exchanges = [r for r in layer_rows if 'modeled_single_us' in r]
-  decomposed = sum(r['decision'] != 'none' for r in dense)
-  chunked = sum(r['decision'] != 'single' for r in exchanges)
-  moe_note = f', {chunked}/{len(exchanges)} expert all-to-alls chunked' if exchanges else ''
-  log(f'parallelism: collective_matmul={ops.policy.collective_matmul}, '
-      f'{decomposed}/{len(dense)} dense layers decomposed{moe_note} (times modeled for '
-      f'{ops.policy.hardware})\n{report.table(layer_rows)}')
+  path = os.path.join(run.workdir, 'parallelism_report.json')
+  log(report.summary(layer_rows, ops.policy, path))
   if write_report:
-    report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, ops.policy)
+    report.write(path, layer_rows, ops.policy)
   return flops_tok, peak
 
 
