@@ -51,7 +51,7 @@ def get_profile(name: str) -> HardwareProfile:
   return PROFILES[name]
 
 
-def measure_host_matmul_flops(sizes=(512, 1024, 2048), repeats: int = 5) -> float:
+def measure_host_matmul_flops(sizes=(512, 1024, 2048), repeats: int = 10) -> float:
   """Best fp32 FLOP/s of n x n matmuls on one CPU device (which uses all cores).
 
   The best over several sizes and repeats: one size's rate depends on the cache
