@@ -5,8 +5,9 @@ moved with the load of the moment: two starts measured 147 and 293 GFLOP/s, so
 identical steps showed 35% and 14% MFU. Measured once and reused, it is the
 same for every start on the machine. An entry is keyed by the CPU model, the
 cores this process may use and the jaxlib version (XLA's CPU kernels change
-with it); delete the file to measure again. ``$XDG_CACHE_HOME`` moves the
-cache; a cache that cannot be written only costs a measurement per start.
+with it), and records the load average it was measured at (other processes on
+the cores lower it); delete the file to measure again. ``$XDG_CACHE_HOME``
+moves the cache; a cache that cannot be written costs a measurement per start.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def cached(name: str, measure: Callable[[], float]) -> tuple[float, str]:
     return float(entry['value']), (f'measured {entry.get("measured", "earlier")}, cached in '
                                    f'{path}; delete it to measure again')
   value = measure()
-  entries[key] = {'value': value, 'measured': datetime.datetime.now().isoformat(' ', 'seconds')}
+  # The load shows whether other processes shared the cores (a low measurement).
+  entries[key] = {'value': value, 'measured': datetime.datetime.now().isoformat(' ', 'seconds')
+                  + (f' at load average {os.getloadavg()[0]:.1f}' if hasattr(os, 'getloadavg')
+                     else '')}
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + f'.{os.getpid()}.tmp', 'w', encoding='utf-8') as f:
