@@ -46,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = 'float32'       # compute dtype (bfloat16 on accelerators)
   c.model.param_dtype = 'float32' # parameter (master weight) dtype
   c.model.scan_layers = False     # jax.lax.scan over layers (compile time of deep models)
-  c.model.remat = 'none'          # activation recomputation: none | full | dots
+  c.model.remat = 'none'          # activation recomputation: none | full | dots (= minimal)
 
   # Mixture of Experts (models/moe.py): num_experts=0 keeps every MLP dense.
   c.moe = ml_collections.ConfigDict()
@@ -141,7 +141,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.profile.dump_hlo = False      # write the compiled train step's HLO text
 
   c.hardware = ml_collections.ConfigDict()
-  c.hardware.name = 'cpu'         # profile: cpu | tpu_v4 | tpu_v5p | h100 | h200
+  c.hardware.name = 'cpu'         # profile: cpu | tpu_v4 | tpu_v5p | tpu_v5e | tpu_v6e | h100 | h200
   c.hardware.peak_flops = 0.0     # per-device peak override (0: from the profile)
   c.hardware.cpu_devices = 8      # simulated CPU devices, unless RINGTRAIN_CPU_DEVICES is set
+  # TPU compiler flags (LIBTPU_INIT_ARGS) for training and launch.aot: 'default' (the
+  # chip's row in parallelism/hardware.py), 'none', or a space-separated list.
+  c.hardware.xla_flags = 'default'
   return c

@@ -18,14 +18,21 @@ for the topology (default: the config's ``aot.topology``) and reported:
 * a modeled step time, exposed communication and MFU from the analytical model
   of parallelism/step_model.py (modeled, not measured).
 
-Variants (``hardware.name`` is set to the topology's chip for all of them):
+Variants (``hardware.name`` is set to the topology's chip for all of them). Each
+compiles with the chip's default compiler flags (``hardware.xla_flags``; for v4
+and v5p the asynchronous-collective flags MaxText measures with, see
+parallelism/hardware.py), as a user would train:
 
 * ``baseline``: ``collective_matmul=never``, XLA's windowed einsum off
-  (``--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000``): no overlap.
-* ``xla``: ``never`` with default compiler flags: the TPU compiler decomposes
-  some einsums itself (windowed einsum).
+  (``--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000``): FSDP
+  collectives overlapped by the compiler, tensor-parallel ones not.
+* ``xla``: ``never`` plus XLA's own windowed einsum, compiled twice (its
+  default threshold, and threshold 0 with bidirectional rings); the faster
+  modeled program is reported, with which one it was.
 * ``ours``: the config's ``collective_matmul`` (``auto`` when it says
   ``never``), XLA's windowed einsum off: every collective-permute is ours.
+* ``maxtext`` (not run by default): ``xla`` with the default threshold only,
+  what MaxText runs; ``benchmarks.calibrate`` compiles it.
 
 Bad input (config, override, topology, mesh that does not match the chip count)
 exits with status 2 and one line; a failed compile with status 1.
@@ -37,6 +44,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -45,11 +53,14 @@ import tempfile
 import time
 import types
 
+from parallelism import hardware
 from trainer import config as config_lib
 from trainer.config import ConfigError
 
 GIB = 2 ** 30
 WINDOWED_EINSUM_OFF = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
+WINDOWED_EINSUM_ALL = ('--xla_jf_spmd_threshold_for_windowed_einsum_mib=0 '
+                       '--xla_tpu_spmd_bidirectional_windowed_einsum=true')
 INSTALL_HINT = "pip install -e '.[tpu]'"
 # Wang et al., ASPLOS 2023 (abstract), measured on TPU v4 pods.
 PAPER = {'speedup': (1.14, 1.38), 'mfu_500b_1024_chips': 0.72,
@@ -57,46 +68,38 @@ PAPER = {'speedup': (1.14, 1.38), 'mfu_500b_1024_chips': 0.72,
 
 
 @dataclasses.dataclass(frozen=True)
-class ChipKind:
-  profile: str             # parallelism/hardware.py profile
-  usable_hbm_bytes: float  # what the compiler lets one program use per chip
-  chip_config_name: str
-  chips_per_host_bounds: tuple[int, int, int]
-
-
-# v4: 32 GiB of HBM per chip, of which the compiler gives a program 30.75 GiB.
-CHIPS = {'v4': ChipKind('tpu_v4', 30.75 * GIB, 'megacore', (2, 2, 1))}
-
-
-@dataclasses.dataclass(frozen=True)
 class Variant:
   name: str
   collective_matmul: str | None  # None: the config's own setting
-  libtpu_args: str
+  flag_sets: tuple[str, ...]     # compiler flags on top of the chip's; the fastest is kept
   description: str
 
 
 VARIANTS = {
-    'baseline': Variant('baseline', 'never', WINDOWED_EINSUM_OFF,
-                        'collective_matmul=never, XLA windowed einsum off (no overlap)'),
-    'xla': Variant('xla', 'never', '',
-                   "collective_matmul=never, default flags (XLA's own windowed einsum)"),
-    'ours': Variant('ours', None, WINDOWED_EINSUM_OFF,
-                    "the config's collective_matmul (decomposed einsums), XLA windowed "
+    'baseline': Variant('baseline', 'never', (WINDOWED_EINSUM_OFF,),
+                        "collective_matmul=never, XLA's windowed einsum off"),
+    'xla': Variant('xla', 'never', ('', WINDOWED_EINSUM_ALL),
+                   "collective_matmul=never, XLA's windowed einsum (default threshold, "
+                   'or threshold 0 bidirectional: the faster)'),
+    'maxtext': Variant('maxtext', 'never', ('',),
+                       "collective_matmul=never, XLA's windowed einsum at its default "
+                       'threshold only: what MaxText runs (benchmarks.calibrate)'),
+    'ours': Variant('ours', None, (WINDOWED_EINSUM_OFF,),
+                    "the config's collective_matmul (decomposed einsums), XLA's windowed "
                     'einsum off'),
 }
 
 
-def parse_topology(name: str) -> tuple[ChipKind, int]:
-  """``'v4:8x8x16'`` -> (chip kind, number of chips)."""
-  m = re.fullmatch(r'(\w+):(\d+)x(\d+)x(\d+)', name or '')
-  if not m or m.group(1) not in CHIPS:
-    raise ConfigError(f'--topology {name!r} is not of the form <chip>:AxBxC with chip one of '
-                      f'{sorted(CHIPS)} (e.g. v4:8x8x16)')
-  chips = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+def parse_topology(name: str) -> tuple[hardware.HardwareProfile, int]:
+  """``'v4:8x8x16'`` or ``'v5e:4x4'`` -> (the chip's hardware profile, number of chips)."""
+  m = re.fullmatch(r'(\w+):(\d+)x(\d+)(?:x(\d+))?', name or '')
+  if not m or m.group(1) not in hardware.TPU_PREFIXES:
+    raise ConfigError(f'--topology {name!r} is not of the form <chip>:AxBxC (or AxB) with chip '
+                      f'one of {sorted(hardware.TPU_PREFIXES)} (e.g. v4:8x8x16, v5p:8x8x8)')
+  chips = math.prod(int(d) for d in m.groups()[1:] if d)
   if chips < 1:
     raise ConfigError(f'--topology {name!r} has no chips')
-  return CHIPS[m.group(1)], chips
+  return hardware.TPU_PREFIXES[m.group(1)], chips
 
 
 def parse_args(argv):
@@ -112,6 +115,7 @@ def parse_args(argv):
                       help='also write each variant\'s scheduled TPU HLO here')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
+  parser.add_argument('--flag_set', default='', help=argparse.SUPPRESS)
   return parser.parse_known_args(argv)
 
 
@@ -157,7 +161,7 @@ def worker(args, overrides) -> int:
   variant = VARIANTS[args.worker]
   cfg = config_lib.load(args.config, overrides)
   chip_kind, _ = parse_topology(args.topology)
-  cfg.hardware.name = chip_kind.profile
+  cfg.hardware.name = chip_kind.name
   setting = cfg.parallelism.collective_matmul
   cfg.parallelism.collective_matmul = variant.collective_matmul or (
       setting if setting != 'never' else 'auto')
@@ -172,8 +176,9 @@ def worker(args, overrides) -> int:
          'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', '')}
   try:
     topo = topologies.get_topology_desc(
-        platform='tpu', topology_name=args.topology, chip_config_name=chip_kind.chip_config_name,
-        chips_per_host_bounds=chip_kind.chips_per_host_bounds, num_slices=1)
+        platform='tpu', topology_name=args.topology,
+        chip_config_name=chip_kind.tpu.chip_config_name,
+        chips_per_host_bounds=chip_kind.tpu.chips_per_host_bounds, num_slices=1)
     mesh = mesh_lib.make_mesh(cfg.mesh, topo.devices)
     rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
     model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
@@ -203,13 +208,14 @@ def worker(args, overrides) -> int:
   text = compiled.as_text()
   if args.hlo_dir:
     os.makedirs(args.hlo_dir, exist_ok=True)
-    with open(os.path.join(args.hlo_dir, f'{variant.name}.hlo.txt'), 'w',
+    with open(os.path.join(args.hlo_dir, f'{variant.name}{args.flag_set or ""}.hlo.txt'), 'w',
               encoding='utf-8') as f:
       f.write(text)
-  chip = step_model.Chip.from_profile(chip_kind.profile)
+  chip = step_model.Chip.from_profile(chip_kind.name)
   if cfg.hardware.peak_flops > 0:
     chip = dataclasses.replace(chip, peak_flops=cfg.hardware.peak_flops)
-  result = step_model.analyze(text, chip, [tuple(d.coords) for d in mesh.devices.flat])
+  out['coords'] = [tuple(d.coords) for d in mesh.devices.flat]  # by partition id
+  result = step_model.analyze(text, chip, out['coords'])
   out['model'] = result.as_dict() | {'chip': dataclasses.asdict(chip)}
   out['jax'] = jax.__version__
   _write(args.out, out)
@@ -230,41 +236,49 @@ def _write(path: str, obj: dict) -> None:
     json.dump(obj, f)
 
 
-def run_variant(args, overrides, name: str, topology: str) -> dict:
-  """Runs ``worker`` for one variant in a fresh process with its compiler flags."""
-  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}  # TPU, not CPU
-  flags = ' '.join(filter(None, [env.get('LIBTPU_INIT_ARGS', ''),
-                                 VARIANTS[name].libtpu_args]))
-  env['LIBTPU_INIT_ARGS'] = flags
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env['PYTHONPATH'] = os.pathsep.join(filter(None, [root, env.get('PYTHONPATH')]))
-  with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, 'result.json')
-    cmd = [sys.executable, '-m', 'launch.aot', '--config', args.config, '--topology',
-           topology, '--worker', name, '--out', out] + list(overrides)
-    if args.hlo_dir:
-      cmd += ['--hlo_dir', args.hlo_dir]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode or not os.path.exists(out):
-      tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['(no output)']
-      return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): {tail[0]}'}
-    with open(out, encoding='utf-8') as f:
-      return json.load(f)
+def run_variant(args, overrides, name: str, topology: str, chip_flags: str) -> dict:
+  """Runs ``worker`` for each of a variant's flag sets, each in a fresh process
+  (``LIBTPU_INIT_ARGS`` is read once per process): the chip's flags, the
+  user's ``LIBTPU_INIT_ARGS``, then the variant's. Keeps the fastest modeled
+  program that fits (or the first, when none does)."""
+  results = []
+  for k, extra in enumerate(VARIANTS[name].flag_sets):
+    env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}  # TPU, not CPU
+    env['LIBTPU_INIT_ARGS'] = ' '.join(filter(None, [chip_flags, env.get('LIBTPU_INIT_ARGS'),
+                                                     extra]))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [root, env.get('PYTHONPATH')]))
+    with tempfile.TemporaryDirectory() as tmp:
+      out = os.path.join(tmp, 'result.json')
+      cmd = [sys.executable, '-m', 'launch.aot', '--config', args.config, '--topology',
+             topology, '--worker', name, '--out', out] + list(overrides)
+      if args.hlo_dir:
+        cmd += ['--hlo_dir', args.hlo_dir] + (['--flag_set', f'.{k}'] if k else [])
+      proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+      if proc.returncode or not os.path.exists(out):
+        tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['(no output)']
+        return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): {tail[0]}'}
+      with open(out, encoding='utf-8') as f:
+        results.append(json.load(f) | {'flag_set': extra or '(default threshold)'})
+    if 'error' in results[-1]:
+      return results[-1]
+  ranked = sorted(results, key=lambda r: (not r['memory']['fits'],
+                                          r.get('model', {}).get('step_seconds', math.inf)))
+  return ranked[0] | {'flag_sets_tried': len(results)}
 
 
 # ---- the summary ------------------------------------------------------------------
 
 
-def summarize(cfg, config_path: str, topology: str, chip: ChipKind, chips: int, info: dict,
-              results: dict) -> dict:
+def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfile, chips: int,
+              info: dict, results: dict) -> dict:
   """One JSON-able object: memory, layers, permute pairs, modeled times per variant."""
-  from parallelism import hardware  # pylint: disable=g-import-not-at-top
-  peak = cfg.hardware.peak_flops or hardware.get_profile(chip.profile).peak_flops
+  peak = cfg.hardware.peak_flops or chip.peak_flops
   out = {'config': config_path, 'topology': topology, 'chips': chips,
-         'chip': chip.profile, **info, 'variants': {}, 'modeled': {}, 'paper': PAPER}
+         'chip': chip.name, **info, 'variants': {}, 'modeled': {}, 'paper': PAPER}
   for name, r in results.items():
     v = {k: r.get(k) for k in ('description', 'collective_matmul', 'libtpu_init_args',
-                               'compile_seconds', 'memory')}
+                               'flag_set', 'compile_seconds', 'memory')}
     if r['memory'] and 'total' in r['memory']:
       v['memory']['fit'] = 'FITS' if r['memory']['fits'] else 'DOES NOT FIT'
     elif r['memory']:
@@ -387,7 +401,8 @@ def main(argv=None) -> int:
     print(f'[{i + 1}/{len(variants)}] {name}: compiling for {topology} in a subprocess '
           f'({VARIANTS[name].description})...', file=sys.stderr, flush=True)
     start = time.perf_counter()
-    r = run_variant(args, overrides, name, topology)
+    r = run_variant(args, overrides, name, topology,
+                    hardware.compiler_flags(chip, cfg.hardware.xla_flags))
     if 'error' in r:
       print(f"error: {name}: {r['error']}", file=sys.stderr)
       return 2 if r.get('input_error') else 1

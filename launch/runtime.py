@@ -46,14 +46,19 @@ def add_xla_flags(flags=XLA_CPU_FLAGS) -> None:
 
 
 def configure_host(cpu_devices: int, cache_dir: str | None = None,
-                   cpu_only: bool = False) -> None:
+                   cpu_only: bool = False, tpu_flags: str = '') -> None:
   """Must run before the first JAX computation of the process.
 
   ``cpu_only`` defaults JAX_PLATFORMS to ``cpu`` (unless set): with the ``tpu``
   extra installed, JAX otherwise first tries to open a TPU on a CPU machine.
+  ``tpu_flags`` (the chip's default compiler flags, ``hardware.xla_flags``)
+  go before the user's own ``LIBTPU_INIT_ARGS``, so the user's win.
   """
   if cpu_only:
     os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  if tpu_flags:
+    os.environ['LIBTPU_INIT_ARGS'] = ' '.join(
+        filter(None, [tpu_flags, os.environ.get('LIBTPU_INIT_ARGS', '')]))
   add_xla_flags()
   import jax  # pylint: disable=g-import-not-at-top
   if jax.config.jax_num_cpu_devices != cpu_devices:  # settable only before JAX starts

@@ -27,10 +27,13 @@ from flax import nnx
 from models.moe import MoeConfig, MoeMlp, zero_aux
 from models.ops import Ops
 
+# 'minimal' is MaxText's name for 'dots': keep the projections' outputs (dots
+# without batch dimensions), recompute the rest (norms, attention, activations).
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    'minimal': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
 

@@ -1,9 +1,17 @@
-"""Hardware profiles: the numbers MFU and (later) the collective cost model use.
+"""Hardware facts: the one table MFU, the cost model, the step model and launch.aot read.
 
-Peak FLOP/s are per device, for the dense matmul dtype a run would use there
-(bf16 on accelerators), from the vendors' data sheets. The CPU has no fixed
-peak: it is measured at start as the best fp32 matmul rate of the whole host
-(all fake devices share its cores), divided by the number of simulated devices.
+Per device, from vendors' data sheets and public figures (each row names its
+source): dense bf16 peak FLOP/s (on the CPU, whose fake devices share the
+host's cores, the host's fp32 matmul rate, measured once per machine and
+cached: peak_flops_per_device), HBM bandwidth, the HBM one compiled program
+may use, interconnect link bandwidth, and for TPUs how to name a slice to the
+compiler (``launch.aot``) and the compiler flags a run uses by default on that
+chip.
+
+Link numbers: TPU ICI per link and direction (v4 and v5e 45 GB/s, v5p and
+v6e 90 GB/s), a ring on one torus axis using one link per direction; NVLink 4
+450 GB/s per direction per GPU. The CPU "links" are memory copies between
+fake devices: synchronous, so nothing overlaps and decomposition never pays.
 """
 
 from __future__ import annotations
@@ -14,10 +22,38 @@ import time
 import jax
 import jax.numpy as jnp
 
+GIB = 2 ** 30
+
+# The XLA flags MaxText runs its measured v5p results with
+# (MaxText/configs/v5p/*.sh): asynchronous collective fusions that overlap
+# FSDP all-gathers and data-parallel reductions with compute. libtpu 0.0.42
+# accepts each on v4, v5p, v5e and v6e (an unknown flag aborts the process;
+# tests/test_tpu_aot.py compiles with them).
+MAXTEXT_TPU_FLAGS = (
+    '--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true',
+    '--xla_tpu_megacore_fusion_allow_ags=false',
+    '--xla_enable_async_collective_permute=true',
+    '--xla_tpu_enable_ag_backward_pipelining=true',
+    '--xla_tpu_enable_data_parallel_all_reduce_opt=true',
+    '--xla_tpu_data_parallel_opt_different_sized_ops=true',
+    '--xla_tpu_enable_async_collective_fusion=true',
+    '--xla_tpu_enable_async_collective_fusion_multiple_steps=true',
+    '--xla_tpu_overlap_compute_collective_tc=true',
+    '--xla_enable_async_all_gather=true',
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+  """How the TPU compiler names a slice of this chip (``v4:8x8x16``)."""
+  prefix: str                               # topology name prefix: 'v4', 'v5p', ...
+  chip_config_name: str                     # 'megacore' (v4, v5p) or 'default'
+  chips_per_host_bounds: tuple[int, int, int]
+
 
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
-  """Per-device numbers; link numbers feed the collective-einsum cost model."""
+  """Per-device facts; see the module docstring for their sources."""
   name: str
   peak_flops: float       # FLOP/s; 0 means "measure at start" (CPU)
   source: str
@@ -25,30 +61,58 @@ class HardwareProfile:
   ring_links: int         # links a ring on one mesh axis uses per direction
   step_latency: float     # seconds of fixed cost per ring step (launch, sync)
   async_collectives: bool  # can a transfer overlap compute at all?
+  hbm_bandwidth: float = 0.0     # bytes/s; 0: not modeled (CPU)
+  usable_hbm_bytes: float = 0.0  # what the compiler lets one program use
+  tpu: TpuSlice | None = None    # set for TPU chips: how launch.aot names a slice
+  compiler_flags: tuple[str, ...] = ()  # default LIBTPU_INIT_ARGS on this chip
 
 
-# Link numbers are public figures (TPU v4/v5p ICI: 45/90 GB/s per link and
-# direction, a ring on a torus axis using one link per direction; NVLink 4:
-# 450 GB/s per direction per GPU). The CPU "links" are memory copies between
-# fake devices: synchronous, so nothing overlaps and decomposition never pays.
-PROFILES = {
-    'cpu': HardwareProfile('cpu', 0.0, 'fp32 matmul measured at start / simulated devices',
-                           10e9, 1, 20e-6, False),
-    'tpu_v4': HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip',
-                              45e9, 1, 2e-6, True),
-    'tpu_v5p': HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip',
-                               90e9, 1, 2e-6, True),
-    'h100': HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16',
-                            450e9, 1, 5e-6, True),
-    'h200': HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16',
-                            450e9, 1, 5e-6, True),
-}
+PROFILES = {p.name: p for p in (
+    HardwareProfile('cpu', 0.0, 'fp32 matmul measured at start / simulated devices',
+                    10e9, 1, 20e-6, False),
+    # v4: 32 GiB HBM, of which the compiler gives one program 30.75 GiB (its own
+    # figure in out-of-memory messages).
+    HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
+                    hbm_bandwidth=1.2e12, usable_hbm_bytes=30.75 * GIB,
+                    tpu=TpuSlice('v4', 'megacore', (2, 2, 1)),
+                    compiler_flags=MAXTEXT_TPU_FLAGS),
+    # v5p: 95 GiB HBM; 95.74 GiB usable per program (the compiler's figure).
+    HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip', 90e9, 1, 2e-6, True,
+                    hbm_bandwidth=2.765e12, usable_hbm_bytes=95.74 * GIB,
+                    tpu=TpuSlice('v5p', 'megacore', (2, 2, 1)),
+                    compiler_flags=MAXTEXT_TPU_FLAGS),
+    # v5e and v6e: 2-D tori (v5e:4x4), 16 and 32 GiB HBM, same reserve assumed.
+    HardwareProfile('tpu_v5e', 197e12, 'TPU v5e data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
+                    hbm_bandwidth=8.1e11, usable_hbm_bytes=14.75 * GIB,
+                    tpu=TpuSlice('v5e', 'default', (2, 2, 1)),
+                    compiler_flags=MAXTEXT_TPU_FLAGS),
+    HardwareProfile('tpu_v6e', 918e12, 'TPU v6e (Trillium) data sheet, bf16 per chip', 90e9, 1,
+                    2e-6, True, hbm_bandwidth=1.64e12, usable_hbm_bytes=30.75 * GIB,
+                    tpu=TpuSlice('v6e', 'default', (2, 2, 1)),
+                    compiler_flags=MAXTEXT_TPU_FLAGS),
+    HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
+                    hbm_bandwidth=3.35e12, usable_hbm_bytes=80e9),
+    HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
+                    hbm_bandwidth=4.8e12, usable_hbm_bytes=141e9),
+)}
+TPU_PREFIXES = {p.tpu.prefix: p for p in PROFILES.values() if p.tpu}
 
 
 def get_profile(name: str) -> HardwareProfile:
   if name not in PROFILES:
     raise ValueError(f'hardware.name={name!r} is not one of {sorted(PROFILES)}')
   return PROFILES[name]
+
+
+def compiler_flags(profile: HardwareProfile, setting: str = 'default') -> str:
+  """The compiler flags (``LIBTPU_INIT_ARGS``) a program for this chip is built with.
+
+  ``setting`` is ``hardware.xla_flags``: 'default' (the chip's row above),
+  'none', or a space-separated list used instead of the defaults.
+  """
+  if setting == 'default':
+    return ' '.join(profile.compiler_flags)
+  return '' if setting == 'none' else setting
 
 
 def measure_host_matmul_flops(sizes=(512, 1024, 2048), repeats: int = 10) -> float:

@@ -8,7 +8,8 @@ measured.
 
 Per instruction:
 
-* **Compute** (fusions, unfused ops): ``max(F / peak_flops, B / hbm_bandwidth)``.
+* **Compute** (fusions, unfused ops): ``max(F / (peak_flops x matmul_efficiency),
+  B / hbm_bandwidth)``.
   ``F`` counts the matmul FLOPs of every dot and convolution inside:
   ``2 x output elements x contracted elements``, where a convolution's
   contracted elements are its input features times the window taps that land
@@ -40,6 +41,29 @@ while loop costs its trip count (the condition's bound minus the counter's
 initial value, or the compiler's ``known_trip_count``) times its body; a
 conditional its slowest branch; a call its callee.
 
+Asynchronous collectives come in three printed forms, all read the same way
+(a transfer from start to done, hidden by the compute scheduled between):
+``*-start`` / ``*-done`` pairs, ``async-start`` / ``async-done`` wrappers
+around a collective computation, and the TPU's async collective fusions (a
+``kCustom`` fusion with an ``AsyncCollectiveStart`` custom call, compute
+fusions that carry the collective along, possibly inside nested loops, and a
+fusion with ``AsyncCollectiveDone``, all matched by the collective's channel).
+The compute fused with a collective counts as compute; a collective that is
+neither asynchronous nor carried blocks the chip for its whole transfer.
+
+Calibration (``python -m benchmarks.calibrate``, docs/calibration.md): the
+model has two fitted constants, ``MATMUL_EFFICIENCY`` (the fraction of the
+data-sheet matmul peak a chip's MXUs reach) and ``LINK_EFFICIENCY`` (the
+fraction of data-sheet ICI link bandwidth a collective reaches): both are
+physical ratios in (0, 1]. They were fitted on MaxText's three measured v5p
+rows (configs/calibration/) by ``--fit``, minimizing the worst row's error;
+the search ends at 1.0 for both, because with data-sheet rates the model of
+our compiled programs is already below MaxText's measured MFU (by the points
+docs/calibration.md shows): nothing in (0, 1] brings it closer. Where the
+remaining gap lives is named there (exposed communication and memory-bound
+fusions of our programs, which differ from MaxText's; see each calibration
+config's docstring).
+
 Results: step time (``t`` at the end of the entry computation), compute time,
 communication (the transfer time of all collectives), exposed communication
 (time the clock waited for collectives), and per asynchronous pair the compute
@@ -60,15 +84,18 @@ from parallelism import hardware
 from parallelism.hlo_text import (Instr, Module, first_group, parse, shape_bytes,
                                   shape_dims, tuple_element)
 
-# Data-sheet HBM bandwidth per chip (bytes/s): the memory roofline of compute.
-HBM_BANDWIDTH = {'tpu_v4': 1.2e12, 'tpu_v5p': 2.765e12, 'h100': 3.35e12, 'h200': 4.8e12}
-
 FREE = {'parameter', 'get-tuple-element', 'tuple', 'constant', 'bitcast', 'after-all',
         'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'domain',
         'async-update', 'send', 'send-done', 'recv', 'recv-done'}
 COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
                'collective-permute', 'collective-broadcast', 'ragged-all-to-all')
 DMA = ('copy', 'slice')
+
+
+# The model's two fitted constants (see the module docstring, "Calibration").
+MATMUL_EFFICIENCY = 1.0  # fraction of the data-sheet peak a real chip's matmuls reach
+LINK_EFFICIENCY = 1.0    # fraction of the data-sheet link bandwidth a collective reaches
+FITTED = ('matmul_efficiency', 'link_efficiency')  # the Chip fields they set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +107,26 @@ class Chip:
   link_bandwidth: float  # bytes/s, one link, one direction
   ring_links: int        # links per direction a ring on one torus dimension uses
   step_latency: float    # seconds per ring step
+  matmul_efficiency: float = 1.0  # achieved / peak matmul rate
+  link_efficiency: float = 1.0    # achieved / data-sheet link bandwidth
 
   @classmethod
-  def from_profile(cls, name: str) -> 'Chip':
+  def from_profile(cls, name: str, calibrated: bool = True) -> 'Chip':
+    """The chip of hardware profile ``name``, with the fitted constants unless told not to."""
     p = hardware.get_profile(name)
-    if name not in HBM_BANDWIDTH:
-      raise ValueError(f'no HBM bandwidth for hardware profile {name!r}')
-    return cls(name, p.peak_flops, HBM_BANDWIDTH[name], p.link_bandwidth, p.ring_links,
-               p.step_latency)
+    if not p.hbm_bandwidth:
+      raise ValueError(f'hardware profile {name!r} has no HBM bandwidth to model with')
+    fitted = (MATMUL_EFFICIENCY, LINK_EFFICIENCY) if calibrated else (1.0, 1.0)
+    return cls(name, p.peak_flops, p.hbm_bandwidth, p.link_bandwidth, p.ring_links,
+               p.step_latency, *fitted)
+
+  @property
+  def matmul_rate(self) -> float:
+    return self.peak_flops * self.matmul_efficiency
+
+  @property
+  def link_rate(self) -> float:
+    return self.link_bandwidth * self.link_efficiency
 
 
 # ---- FLOPs and bytes of one instruction -------------------------------------------
@@ -142,6 +181,11 @@ class _Costs:
     self.m = module
     self.shapes = {c: {i.name: i.shape for i in ins} for c, ins in module.computations.items()}
     self._flops: dict[str, float] = {}
+    self._roles: dict[str, str | None] = {}
+    # Channels of the async collective fusions: the start, its continuations
+    # (possibly inside nested loops) and the done all run a collective of one channel.
+    self.async_channels = {channel(self.collective_in(i)) for comp in module.computations.values()
+                           for i in comp if self.async_role(i) == 'start'}
 
   def flops(self, comp: str) -> float:
     """Matmul FLOPs of a fused computation (nested fusions included)."""
@@ -156,6 +200,26 @@ class _Costs:
           total += self.flops(ins.attr('calls'))
       self._flops[comp] = total
     return self._flops[comp]
+
+  def async_role(self, ins: Instr) -> str | None:
+    """'start' or 'done' for the TPU's asynchronous collective fusions, else None.
+
+    With ``--xla_tpu_enable_async_collective_fusion`` the compiler writes an
+    async collective as a ``kCustom`` fusion holding the collective and an
+    ``AsyncCollectiveStart`` custom call, then compute fusions that carry the
+    collective along (continuations), then a fusion with ``AsyncCollectiveDone``;
+    all of one collective share its ``channel_id``.
+    """
+    callee = ins.attr('calls')
+    if ins.opcode != 'fusion' or not callee:
+      return None
+    if callee not in self._roles:
+      targets = {m.group(1) for i in self.m.computations.get(callee, [])
+                 if i.opcode == 'custom-call'
+                 for m in [re.search(r'custom_call_target="(\w+)"', i.attrs)] if m}
+      self._roles[callee] = ('start' if 'AsyncCollectiveStart' in targets else
+                             'done' if 'AsyncCollectiveDone' in targets else None)
+    return self._roles[callee]
 
   def instr_flops(self, ins: Instr, comp: str) -> float:
     if ins.opcode == 'fusion':
@@ -195,6 +259,8 @@ class _Costs:
     root = next((i for i in fused if i.root), None)
     outs = [by_name[o] for o in root.operands] if root and root.opcode == 'tuple' else [root]
     for out in filter(None, outs):
+      if out.opcode in ('parameter', 'custom-call') or _is_collective(out):
+        continue  # passed through (aliased) or carried by a collective: not compute traffic
       target = out.operands and by_name.get(out.operands[0])
       while target is not None and target.opcode == 'bitcast':
         target = by_name.get(target.operands[0])
@@ -210,9 +276,10 @@ class _Costs:
       if p is None:
         read += shape_bytes(self.shapes[comp].get(name, ''))
         continue
-      if p.name in in_place:
-        continue
       uses = users.get(p.name, [])
+      if p.name in in_place or (uses and all(
+          u.opcode in ('tuple', 'custom-call') or _is_collective(u) for u in uses)):
+        continue
       if uses and all(u.opcode in ('dynamic-slice', 'slice', 'gather') and
                       u.operands[0] == p.name for u in uses):
         read += sum(shape_bytes(u.shape) for u in uses)
@@ -234,6 +301,15 @@ class _Costs:
 # ---- collectives ------------------------------------------------------------------
 
 
+def _is_collective(ins: Instr) -> bool:
+  return ins.opcode.removesuffix('-start') in COLLECTIVES
+
+
+def channel(ins: Instr | None) -> str | None:
+  m = ins is not None and re.search(r'channel_id=(\d+)', ins.attrs)
+  return m.group(1) if m else None
+
+
 
 def _span(group: Sequence[int], coords) -> list[int]:
   """Extents of the group along each torus dimension it spans."""
@@ -251,7 +327,7 @@ def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: 
   if kind == 'collective-permute':
     if ins.opcode.endswith('-start'):  # (operand, output, contexts...): one buffer moves
       out_bytes = in_bytes
-    return out_bytes / chip.link_bandwidth + chip.step_latency
+    return out_bytes / chip.link_rate + chip.step_latency
   group = first_group(ins.attrs, num_partitions)
   g = len(group)
   if g < 2:
@@ -261,7 +337,7 @@ def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: 
   steps = sum(math.ceil((n - 1) / 2) for n in extents)
   moved = {'all-gather': out_bytes if not ins.opcode.endswith('-start') else g * in_bytes,
            'reduce-scatter': in_bytes, 'all-reduce': 2 * in_bytes}.get(kind, in_bytes)
-  return moved * (g - 1) / g / (links * chip.link_bandwidth) + steps * chip.step_latency
+  return moved * (g - 1) / g / (links * chip.link_rate) + steps * chip.step_latency
 
 
 # ---- the schedule -----------------------------------------------------------------
@@ -333,32 +409,38 @@ class _Model:
       op = ins.opcode
       if op in FREE:
         continue
-      if op.endswith('-start'):
+      role = self.costs.async_role(ins)
+      if op.endswith('-start') or role == 'start':
         self._start(ins, comp, tl, pending, shapes)
-      elif op.endswith('-done'):
+      elif op.endswith('-done') or role == 'done':
         self._done(ins, tl, pending, by_name)
       elif op in ('while', 'call', 'conditional'):
         nested = self._nested(ins, comp, tl)
-        for p in pending.values():
-          p['compute'] += nested.compute
-          if nested.flops:
-            p['einsums'].append(ins.name)
+        self._overlap(pending, ins.name, nested.compute, nested.flops)
       elif (coll := self.costs.collective_in(ins)) is not None:
-        s, kind = self._collective_seconds(ins, coll, shapes)
-        tl.seconds += s
-        tl.comm += s
-        tl.exposed_comm += s
-        tl.count(kind, s)
+        if channel(coll) not in self.costs.async_channels:  # synchronous: blocks the chip
+          s, kind = self._collective_seconds(ins, coll, shapes)
+          tl.seconds += s
+          tl.comm += s
+          tl.exposed_comm += s
+          tl.count(kind, s)
+        # else a continuation of an async collective fusion: its transfer counts at the start
+        if ins.opcode == 'fusion':  # compute fused with the collective is compute
+          self._overlap(pending, ins.name, *self._compute(ins, comp, tl))
       else:
-        c, f = self._compute(ins, comp, tl)
-        for p in pending.values():
-          p['compute'] += c
-          if f:
-            p['einsums'].append(ins.name)
+        self._overlap(pending, ins.name, *self._compute(ins, comp, tl))
     for p in pending.values():  # never done: wait at the end
       self.warnings.append(f'{comp}: {p["start"]} has no done')
     self.memo[comp] = tl
     return tl
+
+  @staticmethod
+  def _overlap(pending: dict, name: str, seconds: float, flops: float) -> None:
+    """Compute that runs while every pending transfer is in flight."""
+    for p in pending.values():
+      p['compute'] += seconds
+      if flops:
+        p['einsums'].append(name)
 
   def _nested(self, ins: Instr, comp: str, tl: Timeline) -> Timeline:
     """Runs a while loop (trip count x body), a call, or a conditional's slowest branch."""
@@ -382,14 +464,15 @@ class _Model:
   def _compute(self, ins: Instr, comp: str, tl: Timeline) -> tuple[float, float]:
     f = self.costs.instr_flops(ins, comp)
     b = self.costs.instr_bytes(ins, comp)
-    c = max(f / self.chip.peak_flops, b / self.chip.hbm_bandwidth)
+    c = max(f / self.chip.matmul_rate, b / self.chip.hbm_bandwidth)
     tl.seconds += c
     tl.compute += c
     tl.flops += f
     tl.hbm_bytes += b
     return c, f
 
-  def _collective_seconds(self, ins: Instr, coll: Instr, shapes) -> tuple[float, str]:
+  def _collective_seconds(self, ins: Instr, coll: Instr, shapes,
+                          asynchronous: bool = False) -> tuple[float, str]:
     """(transfer seconds, kind) of the collective ``ins`` runs (``coll``, maybe inside it)."""
     in_bytes = sum(shape_bytes(shapes.get(o, '')) for o in ins.operands)
     if coll is not ins:  # inside a fusion or async wrapper: its own operand shapes
@@ -397,7 +480,7 @@ class _Model:
       in_bytes = sum(shape_bytes(inner.get(o, '')) for o in coll.operands)
       if coll.opcode == 'all-reduce' and shape_bytes(ins.shape) < shape_bytes(coll.shape):
         coll = dataclasses.replace(coll, opcode='reduce-scatter')  # all-reduce, then a slice
-    kind = coll.opcode.removesuffix('-start') + (' (async)' if ins.opcode.endswith('-start')
+    kind = coll.opcode.removesuffix('-start') + (' (async)' if asynchronous
                                                   else ' (fused)' if coll is not ins else '')
     return collective_seconds(coll, in_bytes, self.chip, self.m.num_partitions,
                               self.coords), kind
@@ -406,7 +489,8 @@ class _Model:
     kind = ins.opcode.removesuffix('-start')
     coll = self.costs.collective_in(ins)
     if coll is not None:
-      s, label = self._collective_seconds(ins, coll, shapes)
+      kind = coll.opcode.removesuffix('-start')
+      s, label = self._collective_seconds(ins, coll, shapes, asynchronous=True)
       tl.comm += s
       tl.count(label, s)
     else:  # copy-start, slice-start, other async work: a DMA of the result
@@ -414,15 +498,18 @@ class _Model:
       kind = kind if kind in DMA else 'async'
     pending[ins.name] = {
         'computation': comp, 'start': ins.name, 'kind': kind, 'collective': coll is not None,
+        'channel': channel(coll),
         'op_name': ins.op_name, 'bytes': sum(shape_bytes(shapes.get(o, '')) for o in
                                              ins.operands),
         'transfer_s': s, 'finish': tl.seconds + s, 'started': tl.seconds, 'compute': 0.0,
         'einsums': []}
 
   def _done(self, ins: Instr, tl: Timeline, pending, by_name) -> None:
-    start = ins.operands[0] if ins.operands else None
-    while start in by_name and by_name[start].opcode == 'async-update':
-      start = by_name[start].operands[0]
+    if self.costs.async_role(ins) == 'done':  # an async collective fusion: by channel
+      ch = channel(self.costs.collective_in(ins))
+      start = next((k for k, p in pending.items() if p['channel'] == ch), None)
+    else:
+      start = _carrier(ins, by_name, pending)
     p = pending.pop(start, None)
     if p is None:
       self.warnings.append(f'{ins.name}: no matching start')
@@ -492,6 +579,18 @@ class _Model:
 
     return {c: count(c) for c in self.m.computations}
 
+
+
+def _carrier(ins: Instr, by_name: dict[str, Instr], pending: dict) -> str | None:
+  """The pending async start a ``*-done`` waits for (through tuple elements and
+  async updates)."""
+  for name in ins.operands:
+    x = by_name.get(name)
+    while x is not None and x.opcode in ('get-tuple-element', 'bitcast', 'async-update'):
+      x = by_name.get(x.operands[0]) if x.operands else None
+    if x is not None and x.name in pending:
+      return x.name
+  return None
 
 
 def _constant(instrs: dict[str, Instr], tup: Instr, index: int) -> int:

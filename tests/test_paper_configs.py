@@ -41,7 +41,7 @@ def test_runs_as_a_user_would_on_its_tpu_slice(name):
   assert cfg.hardware.name == 'tpu_v4'
   assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.remat) == ('bfloat16', True, 'full')
   chip, chips = aot.parse_topology(cfg.aot.topology)
-  assert chip.profile == cfg.hardware.name
+  assert chip.name == cfg.hardware.name
   sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)  # raises unless the mesh covers the slice
   assert sizes['fsdp'][1] > 1 and max(sizes['tensor'][1], sizes['expert'][1]) > 1
   assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0

@@ -1,8 +1,10 @@
 """The analytical step model on hand-built schedules with known answers."""
 
+import os
+
 import pytest
 
-from parallelism import hlo_text, step_model
+from parallelism import hardware, hlo_text, step_model
 
 # A ring step in a loop: a permute in flight over one matmul, three times, then a
 # synchronous all-gather over 4 chips.
@@ -121,3 +123,129 @@ def test_collective_over_two_torus_dimensions_uses_twice_the_links():
   two = step_model.collective_seconds(ins, 2048, CHIP, 4, square)
   assert one == pytest.approx(8192 * 3 / 4 / (2 * 1e9))
   assert two == pytest.approx(one / 2)
+
+
+# ---- the asynchronous forms the TPU compiler emits ---------------------------------
+
+DATA = os.path.join(os.path.dirname(__file__), 'data')
+
+
+def test_async_collective_fusions_count_their_compute_and_hide_their_transfer():
+  # Compiled by libtpu for v5p:2x2x2 with MaxText's flags (hardware.MAXTEXT_TPU_FLAGS):
+  # the grad of a 2-layer MLP, FSDP x tensor. An all-gather runs as an
+  # async-collective-start fusion, two compute fusions that carry it along (each
+  # with a convolution and the collective inside) and an async-collective-done.
+  with open(os.path.join(DATA, 'async_collective_fusion_v5p.hlo'), encoding='utf-8') as f:
+    text = f.read()
+  chip = step_model.Chip.from_profile('tpu_v5p', calibrated=False)
+  r = step_model.analyze(text, chip)
+  module = hlo_text.parse(text)
+  convs = sum(step_model.conv_flops(i, {x.name: x.shape for x in ins})
+              for ins in module.computations.values() for i in ins
+              if i.opcode == 'convolution')
+  assert r.warnings == []
+  assert r.flops == convs  # the two convolutions fused with the collective count too
+  assert 'all-gather (fused)' not in r.collectives
+  assert r.collectives['all-gather (async)']['count'] == 1
+  [pair] = [p for p in r.pairs if p['kind'] == 'all-gather']
+  assert (pair['start'], pair['done']) == ('async-collective-start', 'async-collective-done')
+  assert pair['einsums_between'] == ['fusion.15', 'fusion.20']
+  assert pair['compute_between_us'] > pair['transfer_us'] and pair['exposed_us'] == 0
+
+
+# An all-gather started before a loop whose body carries it (a continuation fusion
+# with a dot and the collective of the same channel), done after the loop; then the
+# same collective as an async-start/async-done wrapper around a matmul.
+NESTED = """HloModule nested, is_scheduled=true, num_partitions=4
+
+%ag_start (p0: bf16[64,128]) -> (bf16[64,128], bf16[256,128]) {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %ag = bf16[256,128]{1,0} all-gather(%p0), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %cc = (bf16[64,128]{1,0}, bf16[256,128]{1,0}) custom-call(%ag), custom_call_target="AsyncCollectiveStart"
+}
+
+%ag_carry (c0: bf16[64,128], c1: bf16[128,256], c2: bf16[64,128]) -> (bf16[64,256], bf16[256,128]) {
+  %c0 = bf16[64,128]{1,0} parameter(0)
+  %c1 = bf16[128,256]{1,0} parameter(1)
+  %c2 = bf16[64,128]{1,0} parameter(2)
+  %d = bf16[64,256]{1,0} dot(%c0, %c1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag2 = bf16[256,128]{1,0} all-gather(%c2), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %t = (bf16[64,256]{1,0}, bf16[256,128]{1,0}) tuple(%d, %ag2)
+}
+
+%ag_done (q0: bf16[64,128]) -> bf16[256,128] {
+  %q0 = bf16[64,128]{1,0} parameter(0)
+  %ag3 = bf16[256,128]{1,0} all-gather(%q0), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %cd = bf16[256,128]{1,0} custom-call(%q0, %ag3), custom_call_target="AsyncCollectiveDone"
+}
+
+%body (loop: (s32[], bf16[64,128], bf16[128,256])) -> (s32[], bf16[64,128], bf16[128,256]) {
+  %loop = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%loop), index=0
+  %x = bf16[64,128]{1,0} get-tuple-element(%loop), index=1
+  %w = bf16[128,256]{1,0} get-tuple-element(%loop), index=2
+  %carry = (bf16[64,256]{1,0}, bf16[256,128]{1,0}) fusion(%x, %w, %x), kind=kOutput, calls=%ag_carry
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%next, %x, %w)
+}
+
+%cond (loop: (s32[], bf16[64,128], bf16[128,256])) -> pred[] {
+  %loop = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%loop), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%wrapped (a0: bf16[64,128]) -> bf16[256,128] {
+  %a0 = bf16[64,128]{1,0} parameter(0)
+  ROOT %ag4 = bf16[256,128]{1,0} all-gather(%a0), channel_id=8, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%fused_matmul (m0: bf16[64,128], m1: bf16[128,256]) -> bf16[64,256] {
+  %m0 = bf16[64,128]{1,0} parameter(0)
+  %m1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,256]{1,0} dot(%m0, %m1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[64,128], w: bf16[128,256]) -> bf16[256,128] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %start = (bf16[64,128]{1,0}, bf16[256,128]{1,0}) fusion(%x), kind=kCustom, calls=%ag_start
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) tuple(%zero, %x, %w)
+  %ring = (s32[], bf16[64,128]{1,0}, bf16[128,256]{1,0}) while(%init), condition=%cond, body=%body
+  %s0 = bf16[64,128]{1,0} get-tuple-element(%start), index=0
+  %done = bf16[256,128]{1,0} fusion(%s0), kind=kCustom, calls=%ag_done
+  %ags = ((bf16[64,128]{1,0}), bf16[256,128]{1,0}, u32[]) async-start(%x), calls=%wrapped
+  %mm = bf16[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul
+  ROOT %agd = bf16[256,128]{1,0} async-done(%ags)
+}
+"""
+
+
+def test_async_collective_carried_through_a_loop_and_async_wrappers():
+  r = step_model.analyze(NESTED, CHIP)
+  matmul = 2 * 64 * 256 * 128
+  gather = 256 * 128 * 2 * 3 / 4 / (2 * 1e9)
+  assert r.warnings == []
+  assert r.flops == 5 * matmul  # four carried in the loop, one between async-start and -done
+  assert r.collectives == {'all-gather (async)': {'count': 2, 'seconds': pytest.approx(2 * gather)}}
+  by_start = {p['start']: p for p in r.pairs}
+  assert by_start['start']['done'] == 'done' and by_start['start']['einsums_between'] == ['ring']
+  assert by_start['ags']['done'] == 'agd' and by_start['ags']['einsums_between'] == ['mm']
+  assert r.exposed_comm_seconds == pytest.approx(
+      sum(max(0.0, gather - p['compute_between_us'] / 1e6) for p in r.pairs))
+
+
+def test_one_table_of_hardware_facts():
+  for name, profile in hardware.PROFILES.items():
+    if profile.tpu:
+      assert profile.hbm_bandwidth > 0 and profile.usable_hbm_bytes > 0
+      assert hardware.TPU_PREFIXES[profile.tpu.prefix] is profile
+      chip = step_model.Chip.from_profile(name)
+      assert chip.hbm_bandwidth == profile.hbm_bandwidth
+      assert chip.matmul_rate == profile.peak_flops * step_model.MATMUL_EFFICIENCY
+  assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p']) == ' '.join(
+      hardware.MAXTEXT_TPU_FLAGS)
+  assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p'], 'none') == ''

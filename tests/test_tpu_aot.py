@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from parallelism import hardware
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -19,11 +20,13 @@ pytestmark = pytest.mark.skipif(
     reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
 
 
-def _compile(mode: str, kind: str) -> str:
+def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '') -> str:
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
-  env['LIBTPU_INIT_ARGS'] = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
+  env['LIBTPU_INIT_ARGS'] = ' '.join(
+      filter(None, [flags, '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000']))
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'tpu_aot_probe.py'),
-                         mode, kind], env=env, capture_output=True, text=True, timeout=600)
+                         mode, kind, chip], env=env, capture_output=True, text=True,
+                        timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
 
@@ -54,3 +57,11 @@ def test_tpu_schedule_overlaps_our_permutes_with_einsums(kind):
   assert overlapped >= 1, f'{pairs} permute pairs but none has einsum work scheduled inside'
   plain = _compile('none', kind)
   assert _overlapped_pairs(plain)[0] == 0
+
+
+@pytest.mark.parametrize('chip', sorted(n for n, p in hardware.PROFILES.items() if p.tpu))
+def test_each_tpu_chip_compiles_with_its_default_flags(chip):
+  # An unknown or refused flag aborts libtpu: every chip's default set must be accepted.
+  flags = hardware.compiler_flags(hardware.get_profile(chip))
+  hlo = _compile('always', 'ag', chip, flags)
+  assert 'collective-permute-start' in hlo

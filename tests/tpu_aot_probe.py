@@ -1,4 +1,4 @@
-"""Compiles a decomposed einsum for TPU v4:2x2x2 on this CPU machine.
+"""Compiles a decomposed einsum for a small TPU slice (v4:2x2x2 by default) on this CPU machine.
 
 Run by tests/test_tpu_aot.py in its own process: LIBTPU_INIT_ARGS (which turns
 XLA's own windowed einsum off) is read once per process. Prints the scheduled
@@ -15,14 +15,20 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 from jax.experimental import topologies  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
-from parallelism import mesh as mesh_lib  # pylint: disable=wrong-import-position
+from parallelism import hardware, mesh as mesh_lib  # pylint: disable=wrong-import-position
 from parallelism.collective_einsum import collective_einsum  # pylint: disable=wrong-import-position
 
 
-def main(mode: str, kind: str):
-  topo = topologies.get_topology_desc(platform='tpu', topology_name='v4:2x2x2',
-                                      chip_config_name='megacore',
-                                      chips_per_host_bounds=(2, 2, 1), num_slices=1)
+# A small slice of each TPU chip in parallelism/hardware.py's table.
+SLICES = {'tpu_v4': 'v4:2x2x2', 'tpu_v5p': 'v5p:2x2x2', 'tpu_v5e': 'v5e:2x4', 'tpu_v6e': 'v6e:2x4'}
+
+
+def main(mode: str, kind: str, chip: str = 'tpu_v4'):
+  tpu = hardware.get_profile(chip).tpu
+  topo = topologies.get_topology_desc(platform='tpu', topology_name=SLICES[chip],
+                                      chip_config_name=tpu.chip_config_name,
+                                      chips_per_host_bounds=tpu.chips_per_host_bounds,
+                                      num_slices=1)
   mesh = mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=-1, expert=1, dcn_data=1, dcn_fsdp=1,
                                  dcn_tensor=1, dcn_expert=1), topo.devices)
   t = 'tensor'

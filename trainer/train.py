@@ -57,13 +57,16 @@ def prepare(args, overrides) -> Run:
 def _prepare(cfg, args) -> Run:
   from launch import runtime  # pylint: disable=g-import-not-at-top
   _check_run_lengths(cfg)
+  from parallelism import hardware  # pylint: disable=g-import-not-at-top
+  profile = hardware.get_profile(cfg.hardware.name)
   runtime.configure_host(runtime.cpu_device_count(cfg.hardware.cpu_devices),
-                         cpu_only=cfg.hardware.name == 'cpu')
+                         cpu_only=cfg.hardware.name == 'cpu',
+                         tpu_flags=hardware.compiler_flags(profile, cfg.hardware.xla_flags)
+                         if profile.tpu else '')
   runtime.start_distributed(runtime.distributed_settings(cfg.distributed),
                             cpu=cfg.hardware.name == 'cpu')
-  from parallelism import hardware, mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
+  from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from trainer import data  # pylint: disable=g-import-not-at-top
-  hardware.get_profile(cfg.hardware.name)
   mesh = mesh_lib.make_mesh(cfg.mesh)
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
   model_cfg, params = check_layout(cfg, mesh.shape)

@@ -1,0 +1,220 @@
+r"""Checks the step model against measured MFU: MaxText's published TPU v5p results.
+
+  python -m benchmarks.calibrate [--configs A.py,B.py] [--topology T] [--config.a.b=v ...]
+                                 [--fit] [--tolerance 5] [--hlo_dir DIR] [--json]
+
+For each calibration config (default: ``configs/calibration/maxtext_*_v5p.py``)
+the train step is compiled for its TPU slice exactly as ``launch.aot``'s
+``maxtext`` variant does (the chip's default flags, which are MaxText's, and
+XLA's windowed einsum at its default threshold: what MaxText ran), one compile
+at a time (libtpu allows one process). The step model
+(parallelism/step_model.py) then gives a modeled step time and MFU, printed
+next to the measured MFU (``aot.measured_mfu`` of the config) and the error in
+points. Exit status 1 when a row is off by more than ``--tolerance`` points.
+
+``--config.*`` overrides and ``--topology`` apply to every config, so another
+published shape is checked the same way, e.g. MaxText's 64B on v5p-128 (70.31%):
+
+  python -m benchmarks.calibrate --configs configs/calibration/maxtext_32b_v5p.py \
+      --config.model.num_layers=64 --config.model.d_model=8192 ... \
+      --config.aot.measured_mfu=0.7031
+
+``--fit`` searches the model's two fitted constants (``step_model.FITTED``)
+for the smallest worst-row error over the rows compiled, re-reading the
+compiled programs, and prints them; the constants in parallelism/step_model.py
+are set from this output by hand. Without overrides the three MaxText rows are
+written to docs/calibration.md with a plot (docs/calibration.png).
+
+Every MFU this prints other than "measured" is modeled, not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import itertools
+import json
+import os
+import sys
+import tempfile
+
+from launch import aot
+from parallelism import hardware, step_model
+from trainer import config as config_lib
+from trainer.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join('configs', 'calibration', 'maxtext_*_v5p.py'),
+                           root_dir=ROOT), key=lambda p: int(p.split('_')[1][:-1]))
+DOC = os.path.join(ROOT, 'docs', 'calibration.md')
+PLOT = os.path.join(ROOT, 'docs', 'calibration.png')
+SOURCE = ('MaxText/configs/v5p/README.md (AI-Hypercomputer/maxtext), measured on one slice '
+          'with the commands in MaxText/configs/v5p/*.sh')
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(prog='python -m benchmarks.calibrate', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--configs', default=','.join(CONFIGS),
+                      help='comma-separated calibration configs (default: the MaxText rows)')
+  parser.add_argument('--topology', default=None, help="TPU slice (default: each config's)")
+  parser.add_argument('--fit', action='store_true', help='search the fitted constants')
+  parser.add_argument('--tolerance', type=float, default=5.0, help='MFU points allowed')
+  parser.add_argument('--hlo_dir', default=None, help='keep the compiled programs here')
+  parser.add_argument('--json', action='store_true', help='print one JSON object')
+  return parser.parse_known_args(argv)
+
+
+@dataclasses.dataclass
+class Row:
+  """One calibration config compiled, with what the model needs to re-model it."""
+  config: str
+  topology: str
+  chips: int
+  parameters: int
+  model_flops_per_chip: float
+  measured_mfu: float
+  hlo_path: str
+  coords: list | None
+  memory_gib: float
+  program_flops_per_chip: float = 0.0
+  modeled: dict = dataclasses.field(default_factory=dict)
+
+  def model(self, chip: step_model.Chip) -> dict:
+    with open(self.hlo_path, encoding='utf-8') as f:
+      r = step_model.analyze(f.read(), chip, self.coords)
+    self.program_flops_per_chip = r.flops
+    mfu = self.model_flops_per_chip / (chip.peak_flops * r.step_seconds)
+    self.modeled = {'step_seconds': r.step_seconds, 'compute_seconds': r.compute_seconds,
+                    'exposed_comm_seconds': r.exposed_comm_seconds, 'mfu': mfu,
+                    'error_points': 100 * (mfu - self.measured_mfu)}
+    return self.modeled
+
+
+def compile_row(path: str, args, overrides, hlo_dir: str) -> Row:
+  """Compiles ``path``'s ``maxtext`` variant (raises ConfigError on bad input)."""
+  cfg = config_lib.load(path, overrides)
+  if not cfg.get('aot', {}).get('measured_mfu'):
+    raise ConfigError(f'{path} has no aot.measured_mfu (the measurement to check against)')
+  ns = argparse.Namespace(config=path, topology=args.topology, variants='maxtext',
+                          hlo_dir=os.path.join(hlo_dir, _name(path)), flag_set='')
+  cfg, topology, chip, chips, _, info = aot.load(ns, overrides)
+  r = aot.run_variant(ns, overrides, 'maxtext', topology,
+                      hardware.compiler_flags(chip, cfg.hardware.xla_flags))
+  if 'error' in r:
+    raise RuntimeError(f"{path}: {r['error']}")
+  if not r['memory']['fits']:
+    raise RuntimeError(f"{path}: does not fit on {topology}: "
+                       f"{r['memory'].get('compiler_message', '')[:300]}")
+  return Row(path, topology, chips, info['parameters'],
+             info['model_flops_per_step'] / chips, cfg.aot.measured_mfu,
+             os.path.join(ns.hlo_dir, 'maxtext.hlo.txt'), r.get('coords'),
+             r['memory']['total'] / aot.GIB)
+
+
+def _name(path: str) -> str:
+  return os.path.splitext(os.path.basename(path))[0]
+
+
+def fit(rows: list[Row], chip_name: str) -> dict:
+  """The fitted constants minimizing the worst row's |error| (coarse grid, then fine)."""
+  base = step_model.Chip.from_profile(chip_name)
+
+  def worst(values) -> float:
+    chip = dataclasses.replace(base, **dict(zip(step_model.FITTED, values)))
+    return max(abs(r.model(chip)['error_points']) for r in rows)
+
+  best = min(itertools.product(*[[0.5 + 0.05 * i for i in range(11)]] * 2), key=worst)
+  fine = [[round(b + 0.01 * i, 3) for i in range(-4, 5) if 0 < b + 0.01 * i <= 1] for b in best]
+  best = min(itertools.product(*fine), key=worst)
+  return dict(zip(step_model.FITTED, best)) | {'worst_error_points': worst(best)}
+
+
+def table(rows: list[Row]) -> list[str]:
+  head = ('config', 'slice', 'chips', 'parameters', 'GiB/chip', 'measured MFU',
+          'modeled MFU', 'error (points)', 'modeled step s', 'exposed comm s',
+          'program/model FLOPs')
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for r in rows:
+    m = r.modeled
+    lines.append(
+        f'| {_name(r.config)} | {r.topology} | {r.chips} | {r.parameters / 1e9:.1f}B | '
+        f'{r.memory_gib:.1f} | {r.measured_mfu:.2%} | {m["mfu"]:.2%} | '
+        f'{m["error_points"]:+.1f} | {m["step_seconds"]:.3f} | '
+        f'{m["exposed_comm_seconds"]:.3f} | '
+        f'{r.program_flops_per_chip / r.model_flops_per_chip:.2f} |')
+  return lines
+
+
+def write_doc(rows: list[Row], chip: step_model.Chip) -> None:
+  constants = ', '.join(f'`{k}` = {getattr(chip, k)}' for k in step_model.FITTED)
+  worst = max(abs(r.modeled['error_points']) for r in rows)
+  lines = ['# Calibration: the step model against measured MFU', '',
+           'Generated by `python -m benchmarks.calibrate` (compiles each row for its TPU slice '
+           'on this CPU machine with libtpu; no TPU is used). Modeled numbers are modeled: '
+           'parallelism/step_model.py over the compiled, scheduled TPU program. Measured '
+           f'numbers: {SOURCE}.', '',
+           f'Fitted constants ({constants}) were fitted on these rows with '
+           '`python -m benchmarks.calibrate --fit`; the model is not tuned per row. '
+           f'Worst error: **{worst:.1f} MFU points**.', ''] + table(rows) + [
+           '', f'![modeled vs measured MFU]({os.path.basename(PLOT)})', '',
+           '*program/model FLOPs*: matmul FLOPs in the compiled program per chip over the '
+           "model's FLOPs (6 per parameter and token plus attention); above 1 is "
+           'recomputation (remat).', '',
+           'Differences between our programs and MaxText\'s that remain are listed in each '
+           "config's docstring (configs/calibration/).", '']
+  with open(DOC, 'w', encoding='utf-8') as f:
+    f.write('\n'.join(lines))
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  x = range(len(rows))
+  ax.bar([i - 0.2 for i in x], [100 * r.measured_mfu for r in rows], 0.4, label='measured')
+  ax.bar([i + 0.2 for i in x], [100 * r.modeled['mfu'] for r in rows], 0.4, label='modeled')
+  ax.set_xticks(list(x), [_name(r.config).replace('maxtext_', '') for r in rows])
+  ax.set_ylabel('MFU (%)')
+  ax.set_title('MaxText on TPU v5p: measured vs modeled')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(PLOT, dpi=100)
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(argv)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # this process models; workers compile
+  paths = [p.strip() for p in args.configs.split(',') if p.strip()]
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    hlo_dir = args.hlo_dir or tmp
+    for i, path in enumerate(paths):
+      print(f'[{i + 1}/{len(paths)}] {path}: compiling (one at a time)...', file=sys.stderr,
+            flush=True)
+      try:
+        rows.append(compile_row(path, args, overrides, hlo_dir))
+      except ConfigError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+      except RuntimeError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 1
+    chip_name = aot.parse_topology(rows[0].topology)[0].name
+    if args.fit:
+      print(f'fitted constants: {json.dumps(fit(rows, chip_name))}', file=sys.stderr)
+    chip = step_model.Chip.from_profile(chip_name)
+    for r in rows:
+      r.model(chip)
+  out = [dataclasses.asdict(r) | {'config': _name(r.config)} for r in rows]
+  print(json.dumps(out, indent=1) if args.json else '\n'.join(table(rows)))
+  if not overrides and not args.topology and args.configs == ','.join(CONFIGS):
+    write_doc(rows, chip)
+    print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)}', file=sys.stderr)
+  worst = max(abs(r.modeled['error_points']) for r in rows)
+  print(f'worst |modeled - measured| = {worst:.1f} MFU points (tolerance {args.tolerance}; '
+        'modeled, not measured)', file=sys.stderr)
+  return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())

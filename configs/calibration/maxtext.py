@@ -1,0 +1,48 @@
+r"""What MaxText's measured TPU v5p runs share (MaxText/configs/v5p/*.sh).
+
+Every row: sequence length 2048, vocabulary 32000, head_dim 128, as many
+key/value heads as query heads, SwiGLU, untied embeddings, bf16 compute over
+fp32 weights and AdamW moments, synthetic data, layers scanned, MaxText's XLA
+flags (the ``tpu_v5p`` row of parallelism/hardware.py), and XLA's windowed
+einsum at its default threshold: ``python -m benchmarks.calibrate`` compiles
+the ``xla`` variant of launch.aot, what MaxText ran. The files beside this one
+are the rows; each names its measured MFU and the differences that remain.
+
+``aot.measured_mfu`` is the published measurement a row is checked against
+(``--config.aot.measured_mfu`` sets it for another published shape).
+"""
+
+import ml_collections
+
+from configs import default
+
+def get_config(*, d_model: int, heads: int, mlp: int, layers: int, topology: str, fsdp: int,
+               tensor: int, batch_per_chip: int, remat: str,
+               measured_mfu: float) -> ml_collections.ConfigDict:
+  c = default.get_config()
+  chips = fsdp * tensor
+  c.steps = 100_000
+  c.batch_size = batch_per_chip * chips
+  c.seq_len = 2048
+  c.model.vocab_size = 32000
+  c.model.d_model = d_model
+  c.model.num_layers = layers
+  c.model.num_heads = heads
+  c.model.num_kv_heads = heads
+  c.model.head_dim = 128
+  c.model.mlp_dim = mlp
+  c.model.max_seq_len = 2048
+  c.model.dtype = 'bfloat16'
+  c.model.param_dtype = 'float32'
+  c.model.scan_layers = True
+  c.model.remat = remat
+  c.data.path = 'synthetic'
+  c.mesh.data = 1
+  c.mesh.fsdp = fsdp
+  c.mesh.tensor = tensor
+  c.parallelism.collective_matmul = 'never'  # the xla variant: XLA's windowed einsum
+  c.hardware.name = 'tpu_v5p'
+  c.aot = ml_collections.ConfigDict()
+  c.aot.topology = topology
+  c.aot.measured_mfu = measured_mfu  # MaxText/configs/v5p/README.md, one slice
+  return c
