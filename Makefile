@@ -1,8 +1,11 @@
-# Everything runs in .venv, created (or refreshed when setup.py changes) on demand.
+# Everything runs in .venv, created on demand; each install is redone when setup.py or
+# constraints.txt changes. constraints.txt pins the exact versions (reproducible runs).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+INSTALL := $(PY) -m pip install --quiet -c constraints.txt -e
+TRAIN_STAMP := $(VENV)/.installed-train
+TEST_STAMP := $(VENV)/.installed-test
 # CPU runs: 8 simulated devices, no TPU probing, a persistent compilation cache.
 export JAX_PLATFORMS ?= cpu
 export RINGTRAIN_COMPILATION_CACHE ?= $(CURDIR)/.cache/jax
@@ -10,22 +13,30 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: train test soak install clean
 
-$(STAMP): setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,tpu]'
-	touch $(STAMP)
 
-install: $(STAMP)
+# Training needs no optional extra: no torch, transformers, libtpu or matplotlib.
+$(TRAIN_STAMP): setup.py constraints.txt | $(PY)
+	$(INSTALL) .
+	touch $@
 
-train: $(STAMP)
+# The tests exercise every extra: test runner, TPU compiler, Hugging Face check, plots.
+$(TEST_STAMP): setup.py constraints.txt | $(PY)
+	$(INSTALL) '.[test,tpu,hf,plot]'
+	touch $@ $(TRAIN_STAMP)
+
+install: $(TRAIN_STAMP)
+
+train: $(TRAIN_STAMP)
 	$(PY) -m trainer.train --config configs/default.py --workdir runs/default
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q tests
 
 # 500 steps of the default config, synchronizing every step (see trainer/loop.py).
-soak: $(STAMP)
+soak: $(TRAIN_STAMP)
 	$(PY) -m trainer.train --config configs/default.py --workdir runs/soak \
 	  --config.steps=500 --config.eval_every=0 --config.log_every=50
 

@@ -4,6 +4,10 @@ depend on them, so transfers overlap compute."""
 
 from setuptools import find_packages, setup
 
+# Compatible ranges, so that ringtrain installs into an existing environment.
+# The lower bounds are the versions tested (or, for slow-moving libraries, the
+# first major version whose API the code uses); constraints.txt pins the exact
+# versions `make` installs, for reproducible runs.
 setup(
     name='ringtrain',
     version='0.1.0',
@@ -12,25 +16,26 @@ setup(
     packages=find_packages(include=['trainer*', 'models*', 'parallelism*',
                                     'configs*', 'launch*', 'benchmarks*']),
     install_requires=[
-        'jax==0.10.2',
-        'jaxlib==0.10.2',
-        'flax==0.12.8',
-        'optax==0.2.8',
-        'orbax-checkpoint==0.12.8',
-        'tensorstore==0.1.86',
-        'ml-collections==1.1.0',
-        'numpy==2.4.6',
-        'tensorboardX==2.6.5',   # TensorBoard event files without TensorFlow
-        'protobuf==7.36.2',
-        'safetensors==0.8.0',    # Hugging Face weights, read without pickle
-        'matplotlib==3.11.2',    # plots of docs/benchmarks.md (benchmarks/report.py)
-        'tokenizers==0.23.3',    # Hugging Face tokenizer.json files (trainer/tokenizer.py)
-        'sentencepiece==0.2.3',  # SentencePiece .model files (trainer/tokenizer.py)
+        # The JAX stack moves fast: stay within the tested minor versions.
+        'jax>=0.10.2,<0.11',
+        'jaxlib>=0.10.2,<0.11',
+        'flax>=0.12.8,<0.13',
+        'optax>=0.2.8,<0.3',
+        'orbax-checkpoint>=0.12.8,<0.13',
+        'ml-collections>=1.0,<2',
+        'ml-dtypes>=0.5',          # bfloat16 safetensors (trainer/convert.py)
+        'numpy>=2.0,<3',
+        'tensorboardX>=2.6,<3',    # TensorBoard event files without TensorFlow
+        'safetensors>=0.4,<1',     # Hugging Face weights, read without pickle
+        'tokenizers>=0.19,<1',     # Hugging Face tokenizer.json files (trainer/tokenizer.py)
+        'sentencepiece>=0.2,<1',   # SentencePiece .model files (trainer/tokenizer.py)
     ],
     extras_require={
-        'test': ['pytest==9.2.0', 'hypothesis==6.170.17',
-                 # reference Llama for the Hugging Face import check (CPU torch)
-                 'torch==2.13.0', 'transformers==5.24.0'],
-        'tpu': ['libtpu==0.0.42.*'],  # ahead-of-time TPU compilation (matches jax 0.10.2)
+        'plot': ['matplotlib>=3.8,<4'],  # trainer/plot.py, benchmarks/report.py
+        'test': ['pytest>=8,<10', 'hypothesis>=6.100,<7'],
+        'tpu': ['libtpu==0.0.42.*'],  # ahead-of-time TPU compilation: must match jaxlib 0.10.2
+        # trainer/convert.py --check: the reference Llama (CPU torch is enough);
+        # transformers >= 4.56 takes from_pretrained(dtype=...).
+        'hf': ['torch>=2.4,<3', 'transformers>=4.56,<6'],
     },
 )

@@ -1,4 +1,4 @@
-r"""Default run: a ~4.3M-parameter byte-level LM on the embedded corpus.
+r"""Default run: a byte-level LM with 4,069,632 parameters on the embedded corpus.
 
 Run it (what `make train` does):
 
@@ -62,8 +62,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.learning_rate = 3e-3    # peak learning rate
+  c.optimizer.schedule = 'cosine'     # after warmup: cosine | linear | constant | wsd | rsqrt
   c.optimizer.warmup_steps = 50       # linear warmup from 0
-  c.optimizer.end_lr_fraction = 0.1   # cosine decays to this fraction of the peak
+  c.optimizer.end_lr_fraction = 0.1   # cosine, linear, wsd decay to this fraction of the peak
+  c.optimizer.decay_fraction = 0.2    # wsd: the last 20% of the steps decay (the rest: peak)
   c.optimizer.b1 = 0.9                # AdamW beta1
   c.optimizer.b2 = 0.95               # AdamW beta2
   c.optimizer.eps = 1e-8              # AdamW epsilon

@@ -1,11 +1,12 @@
 """Hardware facts: the one table MFU, the cost model, the step model and launch.aot read.
 
 Per device, from vendors' data sheets and public figures (each row names its
-source): dense bf16 peak FLOP/s (fp32 matmul rate measured at start on the
-CPU, whose fake devices share the host's cores), HBM bandwidth, the HBM one
-compiled program may use, interconnect link bandwidth, and for TPUs how to
-name a slice to the compiler (``launch.aot``) and the compiler flags a run
-uses by default on that chip.
+source): dense bf16 peak FLOP/s (on the CPU, whose fake devices share the
+host's cores, the host's fp32 matmul rate, measured once per machine and
+cached: peak_flops_per_device), HBM bandwidth, the HBM one compiled program
+may use, interconnect link bandwidth, and for TPUs how to name a slice to the
+compiler (``launch.aot``) and the compiler flags a run uses by default on that
+chip.
 
 Link numbers: TPU ICI per link and direction (v4 and v5e 45 GB/s, v5p and
 v6e 90 GB/s), a ring on one torus axis using one link per direction; NVLink 4
@@ -114,27 +115,37 @@ def compiler_flags(profile: HardwareProfile, setting: str = 'default') -> str:
   return '' if setting == 'none' else setting
 
 
-def measure_host_matmul_flops(n: int = 1024, repeats: int = 10) -> float:
-  """Best fp32 FLOP/s of an n x n matmul on one CPU device (uses all cores)."""
+def measure_host_matmul_flops(sizes=(512, 1024, 2048), repeats: int = 10) -> float:
+  """Best fp32 FLOP/s of n x n matmuls on one CPU device (which uses all cores).
+
+  The best over several sizes and repeats: one size's rate depends on the cache
+  sizes, and any repeat can be slowed by other processes, never sped up.
+  """
   device = jax.devices('cpu')[0]
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
   matmul = jax.jit(lambda x: x @ x)
-  matmul(a).block_until_ready()
-  best = float('inf')
-  for _ in range(repeats):
-    start = time.perf_counter()
-    matmul(a).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2 * n ** 3 / best
+  best = 0.0
+  for n in sizes:
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    matmul(a).block_until_ready()  # compile
+    for _ in range(repeats):
+      start = time.perf_counter()
+      matmul(a).block_until_ready()
+      best = max(best, 2 * n ** 3 / (time.perf_counter() - start))
+  return best
 
 
 def peak_flops_per_device(name: str, override: float, num_devices: int) -> tuple[float, str]:
-  """Returns (peak FLOP/s per device, where it came from)."""
+  """Returns (peak FLOP/s per device, where it came from).
+
+  The CPU's is the host's best matmul rate (measured once per machine, then
+  cached: parallelism/host_cache.py) divided by the simulated devices.
+  """
   if override > 0:
     return override, 'hardware.peak_flops override'
   profile = get_profile(name)
   if profile.peak_flops:
     return profile.peak_flops, profile.source
-  host = measure_host_matmul_flops()
-  return host / num_devices, (f'{profile.source} ({host / 1e9:.1f} GFLOP/s host '
-                              f'/ {num_devices} devices)')
+  from parallelism import host_cache  # pylint: disable=g-import-not-at-top
+  host, note = host_cache.cached('cpu_matmul_flops', measure_host_matmul_flops)
+  return host / num_devices, (f'best fp32 matmul of the host, {host / 1e9:.1f} GFLOP/s, '
+                              f'/ {num_devices} devices; {note}')

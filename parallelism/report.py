@@ -1,12 +1,21 @@
-"""The parallelism report: one row per dense layer, what its sharding implies
-and what the parallelism layer decided (printed at start, and written to
-``WORKDIR/parallelism_report.json``). Times are modeled by
-parallelism/cost_model.py, not measured."""
+r"""The parallelism report: one row per dense layer, what its sharding implies
+and what the parallelism layer decided. A run prints a summary at start (counts
+per decision, the costliest layers) and writes every row to
+``WORKDIR/parallelism_report.json``; print those as a table with
+
+  python -m parallelism.report WORKDIR_OR_JSON
+
+Times are modeled by parallelism/cost_model.py, not measured.
+"""
 
 from __future__ import annotations
 
+import argparse
+import collections
 import dataclasses
 import json
+import os
+import sys
 from typing import Any
 
 from parallelism import einsum_plan, moe
@@ -82,9 +91,58 @@ def table(report_rows: list[dict]) -> str:
   return '\n'.join([fmt(lines[0]), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines[1:]])
 
 
+def modeled_us(row: dict) -> float | None:
+  """Modeled microseconds of the layer as decided (None: no collective, nothing modeled)."""
+  if 'modeled_single_us' in row:
+    return row['modeled_single_us' if row['decision'] == 'single' else 'modeled_chunked_us']
+  seconds = row.get('modeled_seconds') or {}
+  return seconds[row['decision']] * 1e6 if row['decision'] in seconds else None
+
+
+def summary(report_rows: list[dict], policy: Any, path: str, costliest: int = 3) -> str:
+  """A few lines for the start of a run: counts per decision, the costliest layers."""
+  dense = [r for r in report_rows if 'modeled_single_us' not in r]
+  exchanges = [r for r in report_rows if 'modeled_single_us' in r]
+  decomposed = sum(r['decision'] != 'none' for r in dense)
+  chunked = sum(r['decision'] != 'single' for r in exchanges)
+  moe_note = f', {chunked}/{len(exchanges)} expert all-to-alls chunked' if exchanges else ''
+  counts = collections.Counter(r['decision'] for r in report_rows).most_common()
+  timed = sorted((r for r in report_rows if modeled_us(r) is not None), key=modeled_us,
+                 reverse=True)[:costliest]
+  return '\n'.join([
+      f'parallelism: collective_matmul={policy.collective_matmul}, {decomposed}/{len(dense)} '
+      f'dense layers decomposed{moe_note} (times modeled for {policy.hardware})',
+      '  decisions: ' + ', '.join(f'{d} {n}' for d, n in counts),
+      '  costliest (modeled): ' + (', '.join(f"{r['path']} {modeled_us(r):.1f} us"
+                                             for r in timed) or 'nothing modeled'),
+      f'  every layer: {path} (as a table: python -m parallelism.report '
+      f'{os.path.dirname(path) or "."})'])
+
+
 def write(path: str, report_rows: list[dict], policy: Any) -> None:
   with open(path, 'w', encoding='utf-8') as f:
     json.dump({'policy': dataclasses.asdict(policy),
                'note': 'step times are modeled (parallelism/cost_model.py), not measured',
                'layers': report_rows}, f, indent=1)
     f.write('\n')
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog='python -m parallelism.report', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('path', help='a workdir, or its parallelism_report.json')
+  path = parser.parse_args(argv).path
+  if os.path.isdir(path):
+    path = os.path.join(path, 'parallelism_report.json')
+  try:
+    with open(path, encoding='utf-8') as f:
+      report_rows = json.load(f)['layers']
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    print(f'error: {path}: not a readable parallelism report ({e})', file=sys.stderr)
+    return 2
+  print(table(report_rows))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

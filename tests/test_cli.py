@@ -35,6 +35,9 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.model.num_kv_heads=2'], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),
     (['--config.moe.num_experts=4', '--config.moe.top_k=5'], 'moe.top_k=5 must be in'),
     (['--config.on_nonfinite=ignore'], "on_nonfinite='ignore' is not one of stop, skip"),
+    (['--config.optimizer.schedule=step'],
+     "optimizer.schedule='step' is not one of cosine, linear, constant, wsd, rsqrt"),
+    (['--config.optimizer.decay_fraction=1.5'], 'optimizer.decay_fraction=1.5 is not in [0, 1]'),
     (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),
     (['--bogus'], 'unrecognized argument: --bogus'),
@@ -77,9 +80,30 @@ def test_three_step_run_through_the_cli(tmp_path):
     assert {'learning_rate', 'grad_norm', 'step_time', 'tflops_per_device'} <= set(r)
   assert [r['step'] for r in eval_records] == [2, 3]
   assert all(0 < r['eval_bpb'] < 10 for r in eval_records)
+  _check_timing(records, train_records, eval_records)
+  assert 'decisions: unidirectional 8' in proc.stdout and 'costliest (modeled): ' in proc.stdout
+  assert 'sharded dims' not in proc.stdout  # the full table is in parallelism_report.json
+  assert '% of it in device steps (goodput)' in proc.stdout
   config = json.loads((workdir / 'config.json').read_text())
   assert config['steps'] == 3 and config['model']['d_model'] == 32
   assert any(name.startswith('events.') for name in os.listdir(workdir / 'tb'))
+
+
+def _check_timing(records, train_records, eval_records):
+  """Every record has wall-clock time and where the time went since the previous one."""
+  assert all(r['time'] > 1.6e9 and r['elapsed'] > 0 for r in records)
+  assert train_records[0]['compile_s'] > 0 and train_records[0]['setup_s'] > 0
+  assert not any('compile_s' in r for r in records[1:])
+  assert all(r['device_step_s'] > 0 and 'data_wait_s' in r for r in train_records)
+  assert all(r['eval_s'] > 0 for r in eval_records)
+  summary = records[-1]  # the run's totals and goodput
+  assert summary['step'] == 3 and 0 < summary['goodput'] < 1
+  windows = sum(v for r in records for k, v in r.items() if k.endswith('_s')
+                and not k.startswith('total_'))
+  totals = sum(v for k, v in summary.items() if k.startswith('total_'))
+  assert abs(windows - summary['elapsed']) < 0.05 and abs(totals - summary['elapsed']) < 0.05
+  assert summary['goodput'] == pytest.approx(summary['total_device_step_s'] / summary['elapsed'],
+                                             rel=1e-3)
 
 
 def test_bad_input_exit_status_from_the_shell(tmp_path):

@@ -1,9 +1,11 @@
-"""A 3-step run with a Hugging Face tokenizer, a profile trace and the HLO; plots of runs."""
+"""A 3-step run (without the optional extras) with a Hugging Face tokenizer, a profile trace
+and the HLO; plots of runs."""
 
 import glob
 import gzip
 import json
 import os
+import sys
 
 import pytest
 
@@ -12,6 +14,8 @@ from tests.test_cli import TINY
 from trainer import plot, train
 
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
+# The packages of the optional extras plot, tpu and hf (setup.py), blocked during the run below.
+OPTIONAL = ('matplotlib', 'libtpu', 'torch', 'transformers')
 
 
 @pytest.fixture(scope='module')
@@ -29,13 +33,16 @@ def run(tmp_path_factory):
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
   tok.save(str(root / 'tokenizer.json'))
   workdir = root / 'run'
-  code = train.main(['--config', DEFAULT, '--workdir', str(workdir), *TINY,
-                     '--config.steps=3', '--config.log_every=1', '--config.eval_every=2',
-                     '--config.checkpoint.every=0', '--config.hardware.peak_flops=1e10',
-                     f'--config.data.path={root / "corpus.txt"}',
-                     f'--config.data.tokenizer={root / "tokenizer.json"}',
-                     '--config.model.vocab_size=400', '--config.profile.start_step=0',
-                     '--config.profile.num_steps=3', '--config.profile.dump_hlo=True'])
+  with pytest.MonkeyPatch.context() as m:
+    for extra in OPTIONAL:  # training must not need them (make train leaves them out)
+      m.setitem(sys.modules, extra, None)
+    code = train.main(['--config', DEFAULT, '--workdir', str(workdir), *TINY,
+                       '--config.steps=3', '--config.log_every=1', '--config.eval_every=2',
+                       '--config.checkpoint.every=0', '--config.hardware.peak_flops=1e10',
+                       f'--config.data.path={root / "corpus.txt"}',
+                       f'--config.data.tokenizer={root / "tokenizer.json"}',
+                       '--config.model.vocab_size=400', '--config.profile.start_step=0',
+                       '--config.profile.num_steps=3', '--config.profile.dump_hlo=True'])
   assert code == 0
   return workdir
 
@@ -78,3 +85,10 @@ def test_plot_writes_pngs(run, tmp_path, capsys):
   assert 'eval_bpb.png: no run recorded eval_bpb; skipped' in capsys.readouterr().out
   assert plot.main([str(tmp_path / 'missing')]) == 2
   assert 'no metrics.jsonl' in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # its import now fails
+  assert plot.main([str(tmp_path)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == "error: plots need matplotlib: pip install -e '.[plot]'", err

@@ -1,10 +1,11 @@
-"""Optimizer schedule, gradient accumulation and the FLOP formula."""
+"""Optimizer schedules, gradient accumulation and the FLOP formula."""
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from models.transformer import Transformer, TransformerConfig
@@ -22,6 +23,33 @@ def test_warmup_then_cosine():
   np.testing.assert_allclose(schedule(10), 1e-2, rtol=1e-6)
   np.testing.assert_allclose(schedule(60), 1e-3 + 0.5 * 9e-3, rtol=1e-5)
   np.testing.assert_allclose(schedule(110), 1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize('kind, points', [
+    # warmup 10 to the peak 1e-2, 110 steps, end 1e-3 (end_lr_fraction 0.1)
+    ('linear', {60: 5.5e-3, 110: 1e-3}),
+    ('constant', {60: 1e-2, 110: 1e-2}),
+    # decay_fraction 0.2: stable up to step 88, then linear to the end over 22 steps
+    ('wsd', {50: 1e-2, 88: 1e-2, 99: 5.5e-3, 110: 1e-3}),
+    ('rsqrt', {40: 5e-3, 1000: 1e-3}),  # 1e-2 * sqrt(10 / step)
+])
+def test_schedule_shapes(kind, points):
+  schedule = optim.learning_rate_schedule(
+      ml_collections.ConfigDict(OPT | {'schedule': kind, 'decay_fraction': 0.2}), 110)
+  assert float(schedule(0)) == 0.0
+  np.testing.assert_allclose(schedule(5), 5e-3, rtol=1e-6)  # the same warmup for all
+  np.testing.assert_allclose(schedule(10), 1e-2, rtol=1e-6)
+  for step, lr in points.items():
+    np.testing.assert_allclose(schedule(step), lr, rtol=1e-5, err_msg=f'step {step}')
+
+
+def test_schedules_without_warmup_start_at_the_peak():
+  for kind in optim.SCHEDULES:
+    opt = ml_collections.ConfigDict(OPT | {'schedule': kind, 'warmup_steps': 0})
+    np.testing.assert_allclose(optim.learning_rate_schedule(opt, 100)(0), 1e-2, rtol=1e-6)
+  rsqrt = optim.learning_rate_schedule(
+      ml_collections.ConfigDict(OPT | {'schedule': 'rsqrt', 'warmup_steps': 0}), 100)
+  np.testing.assert_allclose(rsqrt(3), 5e-3, rtol=1e-6)  # 1e-2 / sqrt(step + 1)
 
 
 def test_gradient_accumulation_matches_full_batch():

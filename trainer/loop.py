@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-import time
 from typing import Any, Callable
 
 import jax
@@ -145,49 +144,56 @@ def train(run) -> dict:
   log = print if is_main else (lambda *a, **k: None)
   policy = checkpoint.Policy.from_config(cfg.checkpoint)
   ckpt = checkpoint.Checkpointer(run.workdir, policy)
+  clock = metrics_lib.Stopwatch()  # where the wall time goes, from here on
   try:
     s = setup(run, ckpt)
-    start = time.perf_counter()
+    clock.lap('setup')
     train_step = s.train_step.lower(s.state, s.get_batch(s.start_step)).compile()
+    compile_s = clock.lap('compile')
     profiling.dump_hlo(cfg, run.workdir, train_step, log)
-    flops_tok, peak = _announce(run, s, time.perf_counter() - start, log,
-                                write_report=is_main)
+    flops_tok, peak = _announce(run, s, compile_s, log, write_report=is_main)
     if is_main:
       metrics_lib.trim(run.workdir, s.start_step)
+    clock.lap('setup')
     with _preemption_signal() as preempted:
-      return _loop(run, s, train_step, ckpt, policy, preempted, (flops_tok, peak), log)
+      return _loop(run, s, train_step, ckpt, policy, preempted, (flops_tok, peak), log, clock)
   finally:
     ckpt.wait()
     ckpt.close()
 
 
-def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log) -> dict:
+def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock) -> dict:
   cfg, mesh = run.cfg, run.mesh
   last_step = cfg.stop_after or cfg.steps
   writer = metrics_lib.MetricsWriter(run.workdir, last_step, s.start_step,
-                                     enabled=jax.process_index() == 0)
+                                     enabled=jax.process_index() == 0, clock=clock)
   meta = checkpoint_meta(run)
   tokens_per_step = cfg.batch_size * cfg.seq_len
-  state, window, eval_record = s.state, [], {}
+  state, window, eval_record, done = s.state, [], {}, s.start_step
   tracer = profiling.StepTracer(cfg, run.workdir, s.start_step, log)
-  tick = time.perf_counter()
+  clock.lap('setup')  # opening the writers is not the first step's data wait
   try:
     for step in range(s.start_step, last_step):
       tracer.before(step)
-      state, out = train_step(state, s.get_batch(step))
+      batch = s.get_batch(step)
+      seconds = clock.lap('data_wait')
+      state, out = train_step(state, batch)
       # Waiting for every step keeps at most one sharded step in flight: queuing
       # several has deadlocked XLA's CPU collectives with many fake devices.
       out = jax.device_get(out)
+      seconds += clock.lap('device_step')
       tracer.after(step)
-      window.append((out, time.perf_counter() - tick))
+      window.append((out, seconds))
       done = step + 1
       _check_finite(out, done, cfg.on_nonfinite, ckpt)
       if done % cfg.log_every == 0 or done == last_step:
         writer.write(done, _train_record(window, s.schedule(step), tokens_per_step, *flops,
                                          mesh.size))
         window = []
+      clock.lap('other')
       if (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step:
         eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
+        clock.lap('eval')
         writer.write(done, eval_record)
       stop = preempted()
       if policy.every and (done % policy.every == 0 or done == last_step or stop):
@@ -199,9 +205,10 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log) -> dic
         raise Stopped(f'stopped by SIGTERM after step {done}' + (
             '; checkpoint saved: run the same command to resume' if policy.every else
             '; checkpointing is off (checkpoint.every=0), nothing saved'), 143)
-      tick = time.perf_counter()  # logging, eval and saving are not step time
+      clock.lap('checkpoint')  # the save above (and SIGTERM agreement); not step time
   finally:
     tracer.close()
+    writer.write_summary(done)
     writer.close()
   if cfg.stop_after and cfg.stop_after < cfg.steps:
     log(f'stopped after step {cfg.stop_after} of {cfg.steps} (stop_after); ' + (
@@ -273,16 +280,10 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
       f'device ({peak_source})')
   # Tracing the step recorded every dense layer's decision in `ops`.
   layer_rows = report.rows(ops.decisions)
-  dense = [r for r in layer_rows if 'modeled_single_us' not in r]
-  exchanges = [r for r in layer_rows if 'modeled_single_us' in r]
-  decomposed = sum(r['decision'] != 'none' for r in dense)
-  chunked = sum(r['decision'] != 'single' for r in exchanges)
-  moe_note = f', {chunked}/{len(exchanges)} expert all-to-alls chunked' if exchanges else ''
-  log(f'parallelism: collective_matmul={ops.policy.collective_matmul}, '
-      f'{decomposed}/{len(dense)} dense layers decomposed{moe_note} (times modeled for '
-      f'{ops.policy.hardware})\n{report.table(layer_rows)}')
+  path = os.path.join(run.workdir, 'parallelism_report.json')
+  log(report.summary(layer_rows, ops.policy, path))
   if write_report:
-    report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, ops.policy)
+    report.write(path, layer_rows, ops.policy)
   return flops_tok, peak
 
 
@@ -300,6 +301,7 @@ def _train_record(window, lr, tokens_per_step, flops_tok, peak, num_devices) -> 
       'mfu': flops_per_device / peak,
       **({'skipped': int(sum(o['skipped'] for o, _ in window))} if 'skipped' in window[0][0]
          else {}),
+      **metrics_lib.device_memory(),
       # MoE: aux losses, dropped fraction and per-expert load, averaged over the window
       **{k: np.mean([o[k] for o, _ in window], axis=0).tolist()
          for k in window[0][0] if k.startswith('moe_')},

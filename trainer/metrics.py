@@ -15,6 +15,12 @@ i.e. half of that, and x3 for training gives 6 * T * n * h.
 
 MFU = achieved FLOP/s per device / peak FLOP/s per device (see
 parallelism/hardware.py for where the peak comes from).
+
+Where the wall time goes (:class:`Stopwatch`): every record carries ``time``
+(Unix seconds), ``elapsed`` (seconds since the run started) and the seconds
+spent in each category since the previous record (``device_step_s``, ...); the
+last record of a run adds the totals (``total_device_step_s``, ...) and
+``goodput``, the fraction of the wall time spent in device steps.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import os
 import sys
 import time
 from typing import Any
+
+import jax
 
 from models.transformer import TransformerConfig
 
@@ -45,6 +53,65 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
   return 6 * matmul_params(cfg) + attention
 
 
+# Where wall time goes; a record's ``<category>_s`` keys follow this order.
+CATEGORIES = (
+    'setup',        # building and placing the state, the peak, the parallelism report
+    'compile',      # compiling the train step
+    'data_wait',    # building and placing each step's batch
+    'device_step',  # the train step, dispatched and waited for
+    'eval',         # evals (the eval step compiles at the first)
+    'checkpoint',   # saving (asynchronous saves: the hand-off, and waiting for the previous)
+    'other',        # writing metrics, the profiler, whatever is left
+)
+
+
+class Stopwatch:
+  """Charges a run's wall time to :data:`CATEGORIES`, lap by lap."""
+
+  def __init__(self):
+    self.start = self._last = time.perf_counter()
+    self.window, self.total = {}, {}
+
+  def lap(self, category: str) -> float:
+    """Charges the seconds since the previous lap to ``category``; returns them."""
+    assert category in CATEGORIES, category
+    now = time.perf_counter()
+    seconds, self._last = now - self._last, now
+    for sums in (self.window, self.total):
+      sums[category] = sums.get(category, 0.0) + seconds
+    return seconds
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  def take(self) -> dict[str, float]:
+    """Seconds per category since the last take (``data_wait_s``, ...)."""
+    out = {f'{c}_s': round(self.window[c], 4) for c in CATEGORIES if c in self.window}
+    self.window = {}
+    return out
+
+  def summary(self) -> dict[str, float]:
+    """Totals per category and goodput: the fraction of the wall time in device steps."""
+    return {**{f'total_{c}_s': round(self.total[c], 4) for c in CATEGORIES if c in self.total},
+            'goodput': self.total.get('device_step', 0.0) / max(self.elapsed(), 1e-9)}
+
+
+def device_memory() -> dict[str, float]:
+  """Peak memory in use (the fullest local device) and its limit, in GiB, where the
+  backend reports them (accelerators; not the CPU)."""
+  try:
+    stats = [d.memory_stats() for d in jax.local_devices()]
+  except Exception:  # pylint: disable=broad-except  # a backend without memory statistics
+    return {}
+  stats = [st for st in stats if st and 'bytes_in_use' in st]
+  if not stats:
+    return {}
+  peak = max(st.get('peak_bytes_in_use', st['bytes_in_use']) for st in stats)
+  limits = [st['bytes_limit'] for st in stats if st.get('bytes_limit')]
+  return {'memory_peak_gib': peak / 2**30,
+          **({'memory_limit_gib': min(limits) / 2**30} if limits else {})}
+
+
 def trim(workdir: str, step: int) -> None:
   """Drops records after ``step`` from ``metrics.jsonl`` (a run resumed from there)."""
   path = os.path.join(workdir, 'metrics.jsonl')
@@ -62,15 +129,18 @@ def trim(workdir: str, step: int) -> None:
 class MetricsWriter:
   """Writes ``metrics.jsonl`` and TensorBoard events; shows progress.
 
-  On a terminal, a live progress line (step, loss, tokens/s, ETA); otherwise
-  (CI, pipes) one plain line per logged step.
+  On a terminal, a live progress line (step, loss, tokens/s, MFU, device memory
+  where reported, elapsed time, ETA); otherwise (CI, pipes) one plain line per
+  logged step. Every record gets ``time``, ``elapsed`` and the seconds per
+  category of ``clock`` since the previous record.
   """
 
   def __init__(self, workdir: str, total_steps: int, first_step: int = 0,
-               enabled: bool = True):
+               enabled: bool = True, clock: Stopwatch | None = None):
     self.enabled = enabled
     self.total = total_steps
     self.live = enabled and sys.stdout.isatty()
+    self.clock = clock or Stopwatch()
     self._start_time, self._start_step = time.time(), first_step
     if not enabled:
       return
@@ -80,13 +150,15 @@ class MetricsWriter:
 
   def write(self, step: int, record: dict[str, Any]) -> None:
     """Appends one record (``step`` plus scalars) to every sink."""
+    timing = {'time': round(time.time(), 3), 'elapsed': round(self.clock.elapsed(), 4),
+              **self.clock.take()}
     if not self.enabled:
       return
-    record = {'step': step, **{k: _plain(v) for k, v in record.items()}}
+    record = {'step': step, **{k: _plain(v) for k, v in record.items()}, **timing}
     self._jsonl.write(json.dumps(record) + '\n')
     self._jsonl.flush()
     for key, value in record.items():
-      if key != 'step' and isinstance(value, (int, float)):
+      if key not in ('step', 'time') and isinstance(value, (int, float)):
         self._tb.add_scalar(key, value, step)
       elif isinstance(value, list):  # e.g. moe_expert_load: one scalar per expert
         for i, v in enumerate(value):
@@ -94,19 +166,24 @@ class MetricsWriter:
     self._tb.flush()
     self._show(step, {k: (float(v) if isinstance(v, str) else v) for k, v in record.items()})
 
+  def write_summary(self, step: int) -> None:
+    """The run's last record: totals per category and goodput (the rest of the time: other)."""
+    self.clock.lap('other')
+    self.write(step, self.clock.summary())
+
   def _show(self, step: int, record: dict[str, Any]) -> None:
     """Prints one record (non-finite values arrive as floats, printed as nan/inf)."""
-    if 'eval_loss' in record:
+    if 'goodput' in record:
+      self._print(_summary_line(record), final=True)
+    elif 'eval_loss' in record:
       bpb = f" eval_bpb {record['eval_bpb']:.3f}" if 'eval_bpb' in record else ''
-      self._print(f"step {step:6d} | eval_loss {record['eval_loss']:.4f}{bpb}", final=True)
-      return
-    done = step - self._start_step
-    elapsed = time.time() - self._start_time
-    eta = elapsed / max(done, 1) * (self.total - step)
-    line = (f"step {step:6d}/{self.total} | loss {record['loss']:.4f} | "
-            f"{record['tokens_per_sec']:,.0f} tok/s | mfu {100 * record['mfu']:.2f}% "
-            f"| eta {_clock(eta)}")
-    self._print(line, final=not self.live)
+      self._print(f"step {step:6d} | eval_loss {record['eval_loss']:.4f}{bpb} "
+                  f"| {record.get('eval_s', 0):.1f}s", final=True)
+    else:
+      done = step - self._start_step
+      eta = (time.time() - self._start_time) / max(done, 1) * (self.total - step)
+      self._print(f'step {step:6d}/{self.total} | {_train_line(record)} | '
+                  f"{_clock(record['elapsed'])} elapsed, eta {_clock(eta)}", final=not self.live)
 
   def _print(self, line: str, final: bool) -> None:
     if self.live:
@@ -121,6 +198,23 @@ class MetricsWriter:
         sys.stdout.write('\n')
       self._jsonl.close()
       self._tb.close()
+
+
+def _train_line(record: dict[str, Any]) -> str:
+  """Loss, throughput, MFU and (where the backend reports it) peak device memory."""
+  line = (f"loss {record['loss']:.4f} | {record['tokens_per_sec']:,.0f} tok/s | "
+          f"mfu {100 * record['mfu']:.2f}%")
+  if 'memory_peak_gib' in record:
+    limit = f"/{record['memory_limit_gib']:.1f}" if 'memory_limit_gib' in record else ''
+    line += f" | mem {record['memory_peak_gib']:.1f}{limit} GiB"
+  return line
+
+
+def _summary_line(record: dict[str, Any]) -> str:
+  parts = ', '.join(f'{c} {record[f"total_{c}_s"]:.1f}s' for c in CATEGORIES
+                    if f'total_{c}_s' in record)
+  return (f"wall time {_clock(record['elapsed'])}, {100 * record['goodput']:.1f}% of it in "
+          f'device steps (goodput): {parts}')
 
 
 def _plain(v: Any) -> Any:

@@ -1,20 +1,70 @@
-"""Optimizer: AdamW with linear warmup + cosine decay and global-norm clipping."""
+"""Optimizer: AdamW with a warmup + decay learning-rate schedule and global-norm clipping."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
+
+SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'rsqrt')
+DEFAULT_DECAY_FRACTION = 0.2  # wsd: the last 20% of the steps decay (configs may omit the key)
+
+
+def validate(opt_cfg: Any) -> None:
+  """Raises ValueError (one line, naming the value) for a schedule that cannot be built."""
+  kind = opt_cfg.get('schedule', 'cosine')
+  if kind not in SCHEDULES:
+    raise ValueError(f'optimizer.schedule={kind!r} is not one of {", ".join(SCHEDULES)}')
+  if opt_cfg.warmup_steps < 0:
+    raise ValueError(f'optimizer.warmup_steps={opt_cfg.warmup_steps} must be >= 0')
+  if not 0 <= opt_cfg.end_lr_fraction <= 1:
+    raise ValueError(f'optimizer.end_lr_fraction={opt_cfg.end_lr_fraction} is not in [0, 1]')
+  decay = opt_cfg.get('decay_fraction', DEFAULT_DECAY_FRACTION)
+  if not 0 <= decay <= 1:
+    raise ValueError(f'optimizer.decay_fraction={decay} is not in [0, 1]')
 
 
 def learning_rate_schedule(opt_cfg: Any, steps: int) -> optax.Schedule:
-  """Linear warmup to the peak, cosine decay to ``end_lr_fraction`` at ``steps``."""
+  """Linear warmup from 0 to the peak over ``warmup_steps``, then ``optimizer.schedule``.
+
+  Peak ``learning_rate``; ``end = end_lr_fraction * peak``.
+
+  * ``cosine``: cosine decay to ``end`` at ``steps``.
+  * ``linear``: linear decay to ``end`` at ``steps``.
+  * ``constant``: the peak until the end.
+  * ``wsd`` (warmup-stable-decay): the peak, then a linear decay to ``end`` over
+    the last ``decay_fraction * steps`` steps (a run can branch off before it).
+  * ``rsqrt``: ``peak * sqrt(w / step)`` after the warmup (``w = max(warmup_steps, 1)``);
+    no end value.
+  """
+  validate(opt_cfg)
   warmup = min(opt_cfg.warmup_steps, max(steps - 1, 0))
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=opt_cfg.learning_rate, warmup_steps=warmup,
-      decay_steps=max(steps, warmup + 1),
-      end_value=opt_cfg.learning_rate * opt_cfg.end_lr_fraction)
+  after = _after_warmup(opt_cfg, steps, warmup)
+  if not warmup:
+    return after
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, opt_cfg.learning_rate, warmup), after], [warmup])
+
+
+def _after_warmup(opt_cfg: Any, steps: int, warmup: int) -> optax.Schedule:
+  """The schedule from the end of the warmup on (its step 0 is the peak)."""
+  kind, peak = opt_cfg.get('schedule', 'cosine'), opt_cfg.learning_rate
+  end, rest = peak * opt_cfg.end_lr_fraction, max(steps - warmup, 1)
+  if kind == 'cosine':
+    return optax.cosine_decay_schedule(peak, rest, alpha=opt_cfg.end_lr_fraction)
+  if kind == 'linear':
+    return optax.linear_schedule(peak, end, rest)
+  if kind == 'wsd':
+    decay = min(round(opt_cfg.get('decay_fraction', DEFAULT_DECAY_FRACTION) * steps), rest)
+    if decay:
+      return optax.join_schedules([optax.constant_schedule(peak),
+                                   optax.linear_schedule(peak, end, decay)], [rest - decay])
+  if kind == 'rsqrt':
+    w = max(warmup, 1)
+    return lambda count: peak * jax.lax.rsqrt((jnp.asarray(count, jnp.float32) + w) / w)
+  return optax.constant_schedule(peak)  # constant, and wsd without a decay
 
 
 def make_optimizer(opt_cfg: Any, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -7,7 +7,7 @@ Writes ``loss.png`` (training loss, and eval loss dashed), ``eval_bpb.png``,
 by its workdir), to ``--out`` (default: ``WORKDIR/plots`` for one run,
 ``plots/`` for several). A plot whose metric no run recorded (``eval_bpb`` of
 token-file data, say) is skipped and says so. Exit 2 on a workdir without
-metrics.jsonl.
+metrics.jsonl, or without matplotlib (the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ def labels(workdirs: list[str]) -> list[str]:
 
 def plot(workdirs: list[str], out_dir: str) -> list[str]:
   """Writes the PNGs; returns their paths."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:  # an optional extra: training does not need it
+    raise ValueError("plots need matplotlib: pip install -e '.[plot]'") from None
   matplotlib.use('Agg')  # files only, no display
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   runs = [(name, read_metrics(w)) for name, w in zip(labels(workdirs), workdirs)]

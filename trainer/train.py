@@ -79,7 +79,7 @@ def _prepare(cfg, args) -> Run:
 
 
 def check_layout(cfg, mesh_shape: dict):
-  """Checks model, policy, lengths and divisibility for a mesh of ``mesh_shape`` sizes.
+  """Checks model, schedule, policy, lengths and divisibility for a mesh of ``mesh_shape`` sizes.
 
   Shapes only (no devices needed): the trainer and launch/aot.py (a TPU slice)
   both call it. Returns (TransformerConfig, abstract parameters).
@@ -89,9 +89,11 @@ def check_layout(cfg, mesh_shape: dict):
   from flax import nnx
   from models.transformer import Transformer, TransformerConfig
   from parallelism import sharding
+  from trainer import optim
   model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
   model_cfg.validate()
   sharding.MatmulPolicy.from_config(cfg).validate()
+  optim.validate(cfg.optimizer)
   if cfg.seq_len > model_cfg.max_seq_len:
     raise ValueError(f'seq_len={cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}')
   mesh = types.SimpleNamespace(shape=dict(mesh_shape))
