@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import attend_blockwise
 from models.moe import MoeConfig, MoeMlp, zero_aux
 from models.ops import Ops
 
@@ -35,6 +36,11 @@ REMAT_POLICIES = {
     'dots': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     'minimal': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+
+
+# 'xla': softmax over the whole [t, s] logits, as XLA compiles it; 'blockwise': keys in
+# blocks with an online softmax and a recomputing backward (models/attention.py).
+ATTENTION = ('xla', 'blockwise')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,8 @@ class TransformerConfig:
   param_dtype: str = 'float32'
   scan_layers: bool = False
   remat: str = 'none'  # one of REMAT_POLICIES
+  attention: str = 'xla'      # one of ATTENTION
+  attention_block: int = 512  # key positions per block of 'blockwise' attention
   moe: MoeConfig = MoeConfig()  # the ``moe.*`` group; dense when num_experts == 0
 
   @classmethod
@@ -78,6 +86,10 @@ class TransformerConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'model.num_heads={self.num_heads} is not a multiple of '
                        f'model.num_kv_heads={self.num_kv_heads}')
+    if self.attention not in ATTENTION:
+      raise ValueError(f'model.attention={self.attention!r} is not one of {sorted(ATTENTION)}')
+    if self.attention_block < 1:
+      raise ValueError(f'model.attention_block={self.attention_block} is not positive')
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f'model.remat={self.remat!r} is not one of '
                        f'{sorted(REMAT_POLICIES)}')
@@ -136,6 +148,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_btd, positions_bt, segments_bt):
     q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
+    if self.cfg.attention == 'blockwise':
+      block = min(self.cfg.attention_block, q_btnh.shape[1])
+      return self._out(attend_blockwise(q_btnh, k_btkh, v_btkh, segments_bt, block))
     return self._out(attend(q_btnh, k_btkh, v_btkh, segments_bt))
 
   def decode(self, x_btd, positions_bt, cache, index):

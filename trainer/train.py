@@ -96,6 +96,10 @@ def check_layout(cfg, mesh_shape: dict):
   optim.validate(cfg.optimizer)
   if cfg.seq_len > model_cfg.max_seq_len:
     raise ValueError(f'seq_len={cfg.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}')
+  block = min(model_cfg.attention_block, cfg.seq_len)
+  if model_cfg.attention == 'blockwise' and cfg.seq_len % block:
+    raise ValueError(f'seq_len={cfg.seq_len} is not a multiple of '
+                     f'model.attention_block={model_cfg.attention_block}')
   mesh = types.SimpleNamespace(shape=dict(mesh_shape))
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
   shards = sharding.mesh_axis_size(mesh, sharding.logical_to_spec(('batch',), rules)[0])

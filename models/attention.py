@@ -1,0 +1,114 @@
+"""Blockwise attention: causal, document-masked softmax attention in key blocks.
+
+``attend_blockwise`` gives the same result as the plain attention of
+models/transformer.py (``attend``) without ever holding the ``[t, s]`` logits
+of the whole sequence: keys and values are visited one block of ``block``
+positions at a time with an online softmax (running maximum and sum, as in
+FlashAttention), so the temporaries are ``[t, block]`` per head. The gradient
+is a custom VJP that recomputes each block's probabilities from the saved
+log-sum-exp instead of storing them (FlashAttention's backward pass), so the
+backward pass is blockwise too. Plain JAX: runs on every backend.
+
+Shape letters as in models/transformer.py: b batch, t queries, s keys,
+k kv_heads, g query heads per kv head, h head_dim, j key block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # logits of masked pairs; their probabilities are set to 0 explicitly
+
+
+def _blocks(x, block: int):
+  """``[b, s, ...]`` -> ``[s // block, b, block, ...]`` (the scan axis first)."""
+  b, s = x.shape[:2]
+  return jnp.moveaxis(x.reshape(b, s // block, block, *x.shape[2:]), 1, 0)
+
+
+def _scores(q_btkgh, k_bjkh, seg_bt, seg_bj, start, scale):
+  """One key block's fp32 logits ``[b, k, g, t, j]`` and mask ``[b, 1, 1, t, j]``."""
+  s = jnp.einsum('btkgh,bjkh->bkgtj', q_btkgh, k_bjkh,
+                 preferred_element_type=jnp.float32) * scale
+  t, j = q_btkgh.shape[1], k_bjkh.shape[1]
+  causal_tj = jnp.arange(t)[:, None] >= start + jnp.arange(j)[None, :]
+  mask = (causal_tj[None] & (seg_bt[:, :, None] == seg_bj[:, None, :]))[:, None, None]
+  return jnp.where(mask, s, _MASKED), mask
+
+
+def _forward(q_btkgh, k_bskh, v_bskh, seg_bt, block):
+  """Output ``[b, k, g, t, h]`` (fp32) and log-sum-exp ``[b, k, g, t]``."""
+  b, t, k, g, h = q_btkgh.shape
+  scale = h ** -0.5
+
+  def step(carry, xs):
+    m, l, acc = carry
+    k_bjkh, v_bjkh, seg_bj, start = xs
+    s, mask = _scores(q_btkgh, k_bjkh, seg_bt, seg_bj, start, scale)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    fix = jnp.exp(m - m_new)
+    acc = acc * fix[..., None] + jnp.einsum('bkgtj,bjkh->bkgth', p.astype(v_bjkh.dtype), v_bjkh,
+                                            preferred_element_type=jnp.float32)
+    return (m_new, l * fix + p.sum(-1), acc), None
+
+  starts = jnp.arange(0, k_bskh.shape[1], block)
+  init = (jnp.full((b, k, g, t), _MASKED, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
+          jnp.zeros((b, k, g, t, h), jnp.float32))
+  (m, l, acc), _ = jax.lax.scan(step, init, (_blocks(k_bskh, block), _blocks(v_bskh, block),
+                                             _blocks(seg_bt, block), starts))
+  return acc / l[..., None], m + jnp.log(l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend(q_btkgh, k_bskh, v_bskh, seg_bt, block):
+  out, _ = _forward(q_btkgh, k_bskh, v_bskh, seg_bt, block)
+  return out
+
+
+def _attend_fwd(q_btkgh, k_bskh, v_bskh, seg_bt, block):
+  out, lse = _forward(q_btkgh, k_bskh, v_bskh, seg_bt, block)
+  return out, (q_btkgh, k_bskh, v_bskh, seg_bt, out, lse)
+
+
+def _attend_bwd(block, res, dout):
+  q_btkgh, k_bskh, v_bskh, seg_bt, out, lse = res
+  scale = q_btkgh.shape[-1] ** -0.5
+  delta = jnp.sum(dout * out, axis=-1)  # [b, k, g, t]
+  dout = dout.astype(v_bskh.dtype)
+
+  def step(dq, xs):
+    k_bjkh, v_bjkh, seg_bj, start = xs
+    s, mask = _scores(q_btkgh, k_bjkh, seg_bt, seg_bj, start, scale)
+    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+    dv = jnp.einsum('bkgtj,bkgth->bjkh', p.astype(dout.dtype), dout,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum('bkgth,bjkh->bkgtj', dout, v_bjkh, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[..., None]) * scale).astype(q_btkgh.dtype)
+    dq = dq + jnp.einsum('bkgtj,bjkh->btkgh', ds, k_bjkh, preferred_element_type=jnp.float32)
+    dk = jnp.einsum('bkgtj,btkgh->bjkh', ds, q_btkgh, preferred_element_type=jnp.float32)
+    return dq, (dk, dv)
+
+  starts = jnp.arange(0, k_bskh.shape[1], block)
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_btkgh.shape, jnp.float32),
+                              (_blocks(k_bskh, block), _blocks(v_bskh, block),
+                               _blocks(seg_bt, block), starts))
+  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(k_bskh.shape).astype(k_bskh.dtype)
+  return dq.astype(q_btkgh.dtype), unblock(dk), unblock(dv), None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def attend_blockwise(q_btnh, k_bskh, v_bskh, segments_bt, block: int):
+  """Causal attention within documents, keys in blocks of ``block`` (divides the length)."""
+  b, t, n, h = q_btnh.shape
+  k = k_bskh.shape[2]
+  if t % block:
+    raise ValueError(f'sequence length {t} is not a multiple of model.attention_block={block}')
+  q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+  out_bkgth = _attend(q_btkgh, k_bskh, v_bskh, segments_bt, block)
+  return jnp.moveaxis(out_bkgth, 3, 1).reshape(b, t, n, h).astype(q_btnh.dtype)

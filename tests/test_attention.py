@@ -1,0 +1,71 @@
+"""Blockwise attention against the plain attention (values and gradients)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.attention import attend_blockwise
+from models.transformer import Transformer, TransformerConfig, attend
+
+
+def _inputs(b, t, n, k, h, dtype, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], (b, t, n, h)).astype(dtype)
+  kk = jax.random.normal(keys[1], (b, t, k, h)).astype(dtype)
+  v = jax.random.normal(keys[2], (b, t, k, h)).astype(dtype)
+  # Packed documents of random lengths (segment ids rise along each row).
+  seg = jnp.cumsum(jax.random.bernoulli(keys[3], 0.1, (b, t)), axis=1)
+  return q, kk, v, seg
+
+
+def _loss(fn, seg):
+  w = jnp.cos(jnp.arange(4096.0))
+  return lambda q, kk, v: jnp.sum(fn(q, kk, v, seg).astype(jnp.float32)
+                                  * w[:q.shape[-1]])
+
+
+@pytest.mark.parametrize('t,block,n,k', [(32, 8, 4, 4), (64, 16, 4, 2), (48, 48, 8, 1)])
+def test_values_and_gradients_match_the_plain_attention(t, block, n, k):
+  q, kk, v, seg = _inputs(2, t, n, k, 16, jnp.float32)
+  ref = attend(q, kk, v, seg)
+  out = attend_blockwise(q, kk, v, seg, block)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+  blockwise = lambda q, kk, v, seg: attend_blockwise(q, kk, v, seg, block)
+  g_ref = jax.grad(_loss(attend, seg), argnums=(0, 1, 2))(q, kk, v)
+  g = jax.grad(_loss(blockwise, seg), argnums=(0, 1, 2))(q, kk, v)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_within_bf16_error():
+  q, kk, v, seg = _inputs(2, 64, 4, 2, 32, jnp.bfloat16, seed=3)
+  ref = attend(*(x.astype(jnp.float32) for x in (q, kk, v)), seg)
+  out = attend_blockwise(q, kk, v, seg, 16).astype(jnp.float32)
+  plain = attend(q, kk, v, seg).astype(jnp.float32)
+  assert float(jnp.abs(out - ref).max()) <= 2 * float(jnp.abs(plain - ref).max()) + 1e-2
+
+
+def test_block_must_divide_the_length():
+  q, kk, v, seg = _inputs(1, 48, 2, 2, 8, jnp.float32)
+  with pytest.raises(ValueError, match='attention_block=32'):
+    attend_blockwise(q, kk, v, seg, 32)
+
+
+def test_model_logits_and_grads_do_not_depend_on_the_attention():
+  cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=8, mlp_dim=64, max_seq_len=64)
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 64)
+  segments = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(1), 0.05, (2, 64)), axis=1)
+
+  def loss_and_grads(attention):
+    model = Transformer(TransformerConfig(**{**cfg.__dict__, 'attention': attention,
+                                             'attention_block': 16}), nnx.Rngs(0))
+    loss = lambda m: m(tokens, segments_bt=segments).astype(jnp.float32).std()
+    return nnx.value_and_grad(loss)(model)
+
+  (a, ga), (b, gb) = loss_and_grads('xla'), loss_and_grads('blockwise')
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
