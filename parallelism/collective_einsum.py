@@ -27,6 +27,9 @@ from parallelism import cost_model, einsum_plan, ring
 from parallelism.einsum_plan import AxisPlan, Equation
 
 MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
+# What a reduce-scatter ring's accumulators travel in: the compute dtype (bf16 for a
+# bf16 model: half the bytes; each device still adds in fp32) or float32.
+RING_DTYPES = ('compute', 'float32')
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
 SCOPE = 'collective_einsum'
 
@@ -44,7 +47,7 @@ class Decision:
 
 
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
-            mode='auto', hardware=None) -> Decision:
+            mode='auto', hardware=None, ring_dtype='compute') -> Decision:
   """Decides how ``collective_einsum`` would run, without running it.
 
   Raises:
@@ -52,6 +55,9 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   """
   if mode not in MODES:
     raise ValueError(f'mode={mode!r} is not one of {MODES}')
+  if ring_dtype not in RING_DTYPES:
+    raise ValueError(f'ring_dtype={ring_dtype!r} is not one of {RING_DTYPES}')
+  wire_fp32 = ring_dtype == 'float32'
   eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
   # An axis of size 1 needs no collective whatever the specs say.
   needs = [p for p in plans if p.kind != 'pass' and mesh.shape[p.axis] > 1]
@@ -59,9 +65,11 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   problems = {p.axis: _problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec,
                                mesh.shape[p.axis]) for p in needs}
   ok = [p for p in needs if not problems[p.axis]]
-  chosen = _choose_axis(eq, ok, lhs_shape, rhs_shape, dtype, mesh, hardware) if ok else None
+  chosen = (_choose_axis(eq, ok, lhs_shape, rhs_shape, dtype, mesh, hardware, wire_fp32)
+            if ok else None)
   estimate = chosen and cost_model.estimate(eq, chosen, lhs_shape, rhs_shape, dtype, mesh,
-                                            hardware or cost_model.DEFAULT_HARDWARE)
+                                            hardware or cost_model.DEFAULT_HARDWARE,
+                                            wire_fp32=wire_fp32)
   others = tuple(p.axis for p in needs if p is not chosen)
   if mode == 'none':
     return Decision(str(eq), 'none', None, chosen and chosen.kind, others, estimate,
@@ -80,13 +88,14 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
                   others, estimate, reason)
 
 
-def _choose_axis(eq, candidates, lhs_shape, rhs_shape, dtype, mesh, hardware) -> AxisPlan:
+def _choose_axis(eq, candidates, lhs_shape, rhs_shape, dtype, mesh, hardware,
+                 wire_fp32) -> AxisPlan:
   """The axis whose collective costs most; ``tensor`` when there is no model."""
   if len(candidates) == 1 or hardware is None:
     named = [p for p in candidates if p.axis == 'tensor']
     return (named or candidates)[0]
   cost = lambda p: cost_model.estimate(eq, p, lhs_shape, rhs_shape, dtype, mesh,
-                                       hardware).comm_seconds
+                                       hardware, wire_fp32=wire_fp32).comm_seconds
   return max(candidates, key=cost)
 
 
@@ -107,7 +116,7 @@ def _problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n) -> st
 
 def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
                       lhs_spec, rhs_spec, out_spec, mode: str = 'auto', unroll: int = 1,
-                      hardware=None) -> jax.Array:
+                      hardware=None, ring_dtype: str = 'compute') -> jax.Array:
   """``einsum(equation, lhs, rhs)`` with its collective decomposed over a ring.
 
   Args:
@@ -121,6 +130,7 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     unroll: 1, or 2 for two ring steps per loop iteration.
     hardware: a ``parallelism.hardware`` profile name for the cost model
       (default: ``cpu``, where decomposition never pays).
+    ring_dtype: what reduce-scatter accumulators travel in (``RING_DTYPES``).
 
   Returns:
     The result laid out as ``out_spec``; bf16 inputs accumulate in fp32.
@@ -134,13 +144,14 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
                      'are not (parallelism.mesh.make_mesh builds Auto meshes)')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   decision = explain(equation, lhs.shape, rhs.shape, dtype, mesh=mesh, lhs_spec=lhs_spec,
-                     rhs_spec=rhs_spec, out_spec=out_spec, mode=mode, hardware=hardware)
+                     rhs_spec=rhs_spec, out_spec=out_spec, mode=mode, hardware=hardware,
+                     ring_dtype=ring_dtype)
   return run_decision(decision, lhs, rhs, mesh=mesh, lhs_spec=lhs_spec, rhs_spec=rhs_spec,
-                      out_spec=out_spec, unroll=unroll)
+                      out_spec=out_spec, unroll=unroll, ring_dtype=ring_dtype)
 
 
 def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_spec,
-                 unroll: int = 1) -> jax.Array:
+                 unroll: int = 1, ring_dtype: str = 'compute') -> jax.Array:
   """Computes the einsum as ``decision`` (from ``explain``) says."""
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
@@ -151,7 +162,7 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
   else:
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
-                  decision.mode == 'bidirectional', unroll)
+                  decision.mode == 'bidirectional', unroll, ring_dtype == 'float32')
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 
@@ -170,6 +181,7 @@ class _Static:
   axis: str
   bidirectional: bool
   unroll: int
+  wire_fp32: bool = False  # reduce-scatter accumulators travel in fp32
 
   def transposed(self, which: str) -> '_Static':
     """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs')."""
@@ -247,7 +259,9 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   keep = lambda spec: PartitionSpec(*[
       tuple(a for a in einsum_plan.axes_of(e) if a in manual) or None for e in spec])
   scatter, out_spec = _reduction(eq, summed, cfg.out_spec, manual)
-  body = functools.partial(_local, eq, plan, n, split, unroll, dtype, manual, summed, scatter)
+  wire = None if cfg.wire_fp32 else dtype
+  body = functools.partial(_local, eq, plan, n, split, unroll, dtype, wire, manual, summed,
+                           scatter)
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
     return jax.shard_map(body, mesh=cfg.mesh,
@@ -308,14 +322,14 @@ def hoisted_specs(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec):
   return tuple(specs)
 
 
-def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, manual, summed,
-           scatter, ids, lhs, rhs):
+def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, wire, manual,
+           summed, scatter, ids, lhs, rhs):
   """Per-device body: blocks along the manual axes are local, other axes global.
 
   The result holds partial sums over ``summed`` until the end, where each dim
   in ``scatter`` is reduce-scattered over its axes and the rest all-reduced.
   """
-  out = _ring_local(eq, plan, n, split, unroll, dtype, manual, ids, lhs, rhs)
+  out = _ring_local(eq, plan, n, split, unroll, dtype, wire, manual, ids, lhs, rhs)
   if not summed:
     return out
   out = out.astype(_acc(dtype))  # sums in fp32 (XLA's CPU backend has no bf16 all-reduce)
@@ -327,9 +341,10 @@ def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, manu
   return (jax.lax.psum(out, rest) if rest else out).astype(dtype)
 
 
-def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, manual,
-                ids, lhs, rhs):
-  """The ring itself, on local blocks."""
+def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, wire,
+                manual, ids, lhs, rhs):
+  """The ring itself, on local blocks; reduce-scatter accumulators travel as ``wire``
+  (None: their own fp32)."""
   axis, acc_dtype, idx = plan.axis, _acc(dtype), ids[0]
   if plan.kind == 'reducescatter':
     z = plan.out_letter  # the scattered output dim, whole in its operand
@@ -344,7 +359,7 @@ def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype,
       return jnp.einsum(str(eq), *args, preferred_element_type=acc_dtype)
 
     return ring.reduce_scatter_einsum(partial, axis=axis, n=n, idx=idx, split=split,
-                                      unroll=unroll).astype(dtype)
+                                      unroll=unroll, wire_dtype=wire).astype(dtype)
   g, o, g_letters, o_letters = ((lhs, rhs, eq.lhs, eq.rhs) if plan.gathered == 'lhs'
                                 else (rhs, lhs, eq.rhs, eq.lhs))
   local_eq = f'{g_letters},{o_letters}->{eq.out}'

@@ -65,7 +65,7 @@ class Estimate:
 
 
 def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
-             hardware) -> Estimate:
+             hardware, wire_fp32: bool = False) -> Estimate:
   """Models ``none``, ``unidirectional`` and ``bidirectional`` for ``plan.axis``."""
   profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(hardware)
   sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
@@ -75,7 +75,9 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   peak = profile.peak_flops or CPU_NOMINAL_FLOPS
   itemsize = jnp.dtype(dtype).itemsize
   if plan.kind == 'reducescatter':
-    block = math.prod(sizes[l] for l in eq.out) / shards * max(itemsize, 4)
+    # the accumulator travels in the compute dtype, or fp32 (parallelism.ring_dtype)
+    block = math.prod(sizes[l] for l in eq.out) / shards * (max(itemsize, 4) if wire_fp32
+                                                            else itemsize)
   else:
     letters = eq.lhs if plan.gathered == 'lhs' else eq.rhs
     block = math.prod(sizes[l] for l in letters) / shards * itemsize

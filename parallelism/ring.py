@@ -95,12 +95,15 @@ def _unfused(x: jax.Array) -> jax.Array:
 
 
 def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
-                          split: tuple[int, int], unroll: int = 1) -> jax.Array:
+                          split: tuple[int, int], unroll: int = 1,
+                          wire_dtype=None) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k)`` is this device's contribution to output block k. Accumulators
   travel the ring and each device adds its contribution as one passes; the
   contribution for the next step does not depend on the transfer in flight.
+  With ``wire_dtype`` (e.g. bf16) an accumulator travels in that dtype and is
+  added in its own (fp32) on each device: half the bytes per step.
   """
   n_right, n_left = split
   at = lambda s: (idx + s) % n
@@ -108,19 +111,23 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     return partial(idx)
   acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
 
+  def recv(acc, offset):
+    wire = acc if wire_dtype is None else acc.astype(wire_dtype)
+    return recv_from(wire, axis, n, offset).astype(acc.dtype)
+
   def step_r(s, acc_r):
-    return recv_from(acc_r, axis, n, -1) + _unfused(partial(at(n_right - s)))
+    return recv(acc_r, -1) + _unfused(partial(at(n_right - s)))
 
   if n_left:
     acc_l = partial(at(-n_left))  # moves left: n_left hops to its owner
 
     def both(s, carry):
       acc_r, acc_l = carry
-      return step_r(s, acc_r), recv_from(acc_l, axis, n, +1) + _unfused(partial(at(s - n_left)))
+      return step_r(s, acc_r), recv(acc_l, +1) + _unfused(partial(at(s - n_left)))
 
     acc_r, acc_l = _loop(1, n_left, both, (acc_r, acc_l), unroll)
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
-  out = recv_from(acc_r, axis, n, -1) + partial(idx)
+  out = recv(acc_r, -1) + partial(idx)
   if n_left:
-    out = out + recv_from(acc_l, axis, n, +1)
+    out = out + recv(acc_l, +1)
   return out

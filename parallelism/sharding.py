@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops
 from parallelism import moe
-from parallelism.collective_einsum import explain, run_decision
+from parallelism.collective_einsum import RING_DTYPES, explain, run_decision
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -115,16 +115,18 @@ class MatmulPolicy:
   direction: str = 'unidirectional'     # for 'always': unidirectional | bidirectional
   unroll: int = 1                       # ring steps per loop iteration: 1 | 2
   hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
+  ring_dtype: str = 'compute'           # reduce-scatter accumulators on the wire: compute | float32
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
-    return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name)
+    return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
-               'direction': ('unidirectional', 'bidirectional'), 'unroll': (1, 2)}
+               'direction': ('unidirectional', 'bidirectional'), 'unroll': (1, 2),
+               'ring_dtype': RING_DTYPES}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -158,7 +160,8 @@ class ShardedOps(Ops):
     self.decisions[name] = (decision, specs)
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       return run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
-                          rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll)
+                          rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
+                          ring_dtype=self.policy.ring_dtype)
 
   def experts(self, x_becd, expert_fn, *, chunks, flops, name):
     """The expert all-to-all, single or chunked as parallelism/moe.py decides."""
@@ -176,7 +179,7 @@ class ShardedOps(Ops):
     decide = lambda mode: explain(
         equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
         lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
-        hardware=self.policy.hardware)
+        hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype)
     setting = self.policy.collective_matmul
     if setting == 'never':
       return decide('none')

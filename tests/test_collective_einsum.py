@@ -272,3 +272,40 @@ def test_weight_gradient_sums_over_batch_axes_once_after_the_ring(devices):
   assert _collectives(hlo)['all-reduce'] == 1  # over data, after the ring
   assert _collectives(hlo)['all-gather'] == 0
   assert _executed_permutes(hlo) == 3
+
+
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+def test_reduce_scatter_accumulators_travel_in_the_compute_dtype(mode):
+  # parallelism.ring_dtype: bf16 on the wire halves each step's bytes; every device
+  # still adds in fp32, so the error stays that of bf16 rounding, bounded here.
+  eq, ls, rs, os_ = 'btf,fd->btd', P(D, None, T), P(T, None), P(D, T, None)
+  mesh = _mesh(8, 1)
+  lhs = jax.random.normal(jax.random.key(0), (2, 64, 512)).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(1), (512, 64)).astype(jnp.bfloat16)
+  ref = jnp.einsum(eq, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+  outs, hlos = {}, {}
+  for ring_dtype in ('compute', 'float32'):
+    f = jax.jit(lambda x, w, r=ring_dtype: collective_einsum(
+        eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, mode=mode, ring_dtype=r))
+    outs[ring_dtype] = f(lhs, rhs)
+    # The program we emit (XLA's CPU backend, which has no native bf16, widens the
+    # permutes again when it compiles; a TPU keeps them bf16).
+    hlos[ring_dtype] = f.lower(lhs, rhs).as_text()
+  wire = lambda text: set(re.findall(r'collective_permute.*?\) -> tensor<[\dx]+x(\w+)>', text))
+  assert wire(hlos['compute']) == {'bf16'} and wire(hlos['float32']) == {'f32'}
+  assert _rel(outs['float32'], ref) < 5e-3  # one bf16 rounding of the result
+  assert _rel(outs['compute'], ref) < 1.5e-2  # plus one per hop on the wire
+  with pytest.raises(ValueError, match="ring_dtype='int8'"):
+    explain(eq, lhs.shape, rhs.shape, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+            out_spec=os_, ring_dtype='int8')
+
+
+def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
+  mesh = _mesh(8, 1)
+  eq, plans = einsum_plan.plan('bf,fd->bd', P(None, T), P(T, None), P(None, T))
+  plan = next(p for p in plans if p.axis == T)
+  est = lambda wire_fp32: cost_model.estimate(eq, plan, (4096, 4096), (4096, 4096),
+                                              'bfloat16', mesh, 'tpu_v4', wire_fp32=wire_fp32)
+  lat = 2e-6
+  assert (est(True).step_transfer_seconds - lat) == pytest.approx(
+      2 * (est(False).step_transfer_seconds - lat))
