@@ -145,6 +145,17 @@ def test_truncated_checkpoint_is_named(tmp_path, capsys):
   assert '\n' not in err and step2 in err, err
 
 
+def test_an_update_that_overflows_is_never_saved(tmp_path, capsys):
+  """1e39 is inf in float32: step 1's loss (before the update) is finite, its result not."""
+  assert _main(tmp_path / 'run', '--config.optimizer.learning_rate=1e39',
+               '--config.optimizer.warmup_steps=0', '--config.checkpoint.every=1',
+               '--config.steps=3') == 3
+  err = capsys.readouterr().err.strip()
+  assert err.startswith('error: step 1: the update made parameters or optimizer state '
+                        'non-finite') and 'stopped, no checkpoint' in err, err
+  assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'run')) == []
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, capsys):
   diverge = ['--config.optimizer.learning_rate=1e12', '--config.optimizer.warmup_steps=0',
              '--config.optimizer.grad_clip=0.0', '--config.checkpoint.every=1',
