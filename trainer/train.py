@@ -7,7 +7,8 @@ Outputs in the workdir (default ``runs/<config name>``): ``config.json`` (the
 resolved config), ``metrics.jsonl`` (one JSON object per logged step and per
 eval), TensorBoard event files in ``tb/`` and ``parallelism_report.json`` (what
 the parallelism layer decided for every dense layer). Bad input exits with status 2
-and a one-line message before anything is compiled or written.
+and a one-line message before anything is compiled or written. A corrupt
+checkpoint exits with status 1, naming it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Run:
   rules: Any
   model_cfg: Any
   corpus: Any
+  abstract_params: Any = None     # shapes and dtypes of the model's parameters
   resume_step: int | None = None  # the newest checkpoint in the workdir, if any
 
 
@@ -48,9 +50,20 @@ def parse_args(argv):
 def prepare(args, overrides) -> Run:
   """Loads and checks everything a run needs; raises ConfigError on bad input."""
   cfg = config_lib.load(args.config, overrides)
+  return _validated(_prepare, cfg, args)
+
+
+def _validated(fn, *args):
+  """``fn(*args)``, its ValueErrors (bad input) raised as ConfigError.
+
+  Validators raise ValueError (and CheckpointError); a corrupt checkpoint
+  (trainer.checkpoint.CorruptCheckpoint, exit status 1) is no bad input and passes.
+  """
   try:
-    return _prepare(cfg, args)
-  except (KeyError, ValueError) as e:  # validators below raise ValueError (and CheckpointError)
+    return fn(*args)
+  except (KeyError, ValueError) as e:
+    if hasattr(e, 'exit_status'):
+      raise
     raise ConfigError(str(e).strip('"')) from None
 
 
@@ -74,8 +87,9 @@ def _prepare(cfg, args) -> Run:
   data.check_lengths(corpus, cfg.seq_len, cfg.batch_size, cfg.eval_steps)
   workdir = args.workdir or os.path.join('runs', os.path.splitext(
       os.path.basename(args.config.partition(':')[0]))[0])
-  resume_step = _check_checkpoints(cfg, workdir, model_cfg, params)
-  return Run(cfg, workdir, mesh, rules, model_cfg, corpus, resume_step)
+  run = Run(cfg, workdir, mesh, rules, model_cfg, corpus, params)
+  run.resume_step = _check_checkpoints(run)
+  return run
 
 
 def check_layout(cfg, mesh_shape: dict):
@@ -108,31 +122,37 @@ def check_layout(cfg, mesh_shape: dict):
   return model_cfg, params
 
 
-def _check_checkpoints(cfg, workdir: str, model_cfg, abstract_params) -> int | None:
+def _check_checkpoints(run: Run) -> int | None:
   """Refuses, before compiling, a resume or an init_from that cannot work.
 
-  Returns the step this run resumes from, if the workdir has checkpoints.
+  Returns the step this run resumes from, if the workdir has checkpoints: the
+  newest whose metadata reads (older ones only under checkpoint.on_corrupt=previous;
+  the restore sets the others aside).
   """
   from trainer import checkpoint  # pylint: disable=g-import-not-at-top
-  checkpoint.Policy.from_config(cfg.checkpoint).validate()
+  cfg, workdir = run.cfg, run.workdir
+  policy = checkpoint.Policy.from_config(cfg.checkpoint)
+  policy.validate()
   directory = checkpoint.directory_of(workdir)
   steps = checkpoint.complete_steps(directory)
   if steps:  # this run resumes: it must be the same model and data order
-    meta = checkpoint.read_meta(directory, steps[-1])
+    meta, step = checkpoint.newest_good(steps, policy.on_corrupt,
+                                        lambda s: checkpoint.read_meta(directory, s))
     diff = [f'model.{k}: {meta["model"].get(k)!r} in the checkpoint, {v!r} now'
-            for k, v in dataclasses.asdict(model_cfg).items() if meta['model'].get(k) != v]
-    if meta['seed'] != cfg.seed:
-      diff.append(f'seed: {meta["seed"]} in the checkpoint, {cfg.seed} now')
+            for k, v in dataclasses.asdict(run.model_cfg).items()
+            if meta['model'].get(k) != v]
+    if meta.get('seed') != cfg.seed:
+      diff.append(f'seed: {meta.get("seed")} in the checkpoint, {cfg.seed} now')
     if diff:
       raise ValueError(f'{workdir} has checkpoints of another run (' + '; '.join(diff)
                        + '): use another --workdir, or delete its checkpoints/ to start over')
-    return steps[-1]
+    return step
   if cfg.init_from:
     source, step = checkpoint.resolve(cfg.init_from)
     meta = checkpoint.read_meta(source, step)
     diff = checkpoint.differences(
         {k: v for k, v in meta['arrays'].items() if not checkpoint.is_optimizer(k)},
-        checkpoint.describe(checkpoint.flatten(abstract_params)))
+        checkpoint.describe(checkpoint.flatten(run.abstract_params)))
     if diff:
       raise ValueError(f'init_from={cfg.init_from}: {len(diff)} parameter(s) differ from '
                        'the model: ' + '; '.join(diff[:20]))
@@ -174,13 +194,13 @@ def main(argv=None) -> int:
   args, overrides = parse_args(argv)
   try:
     run = prepare(args, overrides)
-  except ConfigError as e:
+    last = run.cfg.stop_after or run.cfg.steps
+    if run.resume_step is not None and run.resume_step >= last:
+      print(f'{run.workdir} is already at step {run.resume_step} (of {last}): nothing to do')
+      return 0
+  except ValueError as e:  # ConfigError, or a corrupt checkpoint (exit status 1)
     print(f'error: {e}', file=sys.stderr)
-    return 2
-  last = run.cfg.stop_after or run.cfg.steps
-  if run.resume_step is not None and run.resume_step >= last:
-    print(f'{run.workdir} is already at step {run.resume_step} (of {last}): nothing to do')
-    return 0
+    return getattr(e, 'exit_status', 2)
   from trainer import loop  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from trainer.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
