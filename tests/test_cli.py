@@ -41,6 +41,14 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),
     (['--bogus'], 'unrecognized argument: --bogus'),
+    # values that crashed, or trained nonsense, after writing the workdir
+    (['--config.model.num_kv_heads=0'], 'model.num_kv_heads=0 must be at least 1'),
+    (['--config.model.d_model=0'], 'model.d_model=0 must be at least 1'),
+    (['--config.model.num_layers=0'], 'model.num_layers=0 must be at least 1'),
+    (['--config.seed=-1'], 'seed=-1 is not in [0, 2**32)'),
+    (['--config.optimizer.learning_rate=inf'], 'learning_rate=inf must be finite and > 0'),
+    (['--config.optimizer.learning_rate=0'], 'learning_rate=0.0 must be finite and > 0'),
+    ([f'--config.data.path={ROOT}/tests'], f"data.path='{ROOT}/tests' names a directory"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, overrides, message):
   workdir = tmp_path / 'run'
@@ -50,6 +58,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, overrides, message):
   assert code == 2
   assert len(err.splitlines()) == 1 and message in err, err
   assert not workdir.exists()
+
+
+def test_gs_workdir_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  code = train.main(['--config', DEFAULT, '--workdir', 'gs://bucket/run', '--config.steps=1'])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1, err
+  assert 'gs:// paths are not supported yet' in err and '--workdir /mnt/bucket/run' in err
+  assert not os.listdir(tmp_path)
 
 
 def test_empty_corpus(tmp_path, capsys):

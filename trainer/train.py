@@ -69,7 +69,9 @@ def _validated(fn, *args):
 
 def _prepare(cfg, args) -> Run:
   from launch import runtime  # pylint: disable=g-import-not-at-top
+  _check_workdir(args.workdir)
   _check_run_lengths(cfg)
+  _check_seed(cfg.seed)
   from parallelism import hardware  # pylint: disable=g-import-not-at-top
   profile = hardware.get_profile(cfg.hardware.name)
   runtime.configure_host(runtime.cpu_device_count(cfg.hardware.cpu_devices),
@@ -105,7 +107,7 @@ def check_layout(cfg, mesh_shape: dict):
   from parallelism import sharding
   from trainer import optim
   model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
-  model_cfg.validate()
+  check_model(model_cfg)
   sharding.MatmulPolicy.from_config(cfg).validate()
   optim.validate(cfg.optimizer)
   if cfg.seq_len > model_cfg.max_seq_len:
@@ -120,6 +122,15 @@ def check_layout(cfg, mesh_shape: dict):
   params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
   sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
   return model_cfg, params
+
+
+def check_model(model_cfg) -> None:
+  """TransformerConfig.validate(), after the sizes it divides by: each at least 1."""
+  for key in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
+              'mlp_dim', 'max_seq_len'):
+    if getattr(model_cfg, key) < 1:
+      raise ValueError(f'model.{key}={getattr(model_cfg, key)} must be at least 1')
+  model_cfg.validate()
 
 
 def _check_checkpoints(run: Run) -> int | None:
@@ -172,6 +183,20 @@ def _check_run_lengths(cfg) -> None:
     raise ValueError(f'stop_after={cfg.stop_after} is not in [1, steps={cfg.steps}]')
   if cfg.on_nonfinite not in ('stop', 'skip'):
     raise ValueError(f'on_nonfinite={cfg.on_nonfinite!r} is not one of stop, skip')
+
+
+def _check_seed(seed: int) -> None:
+  if not 0 <= seed < 2**32:  # numpy's and JAX's seeds; a bad one failed after writing
+    raise ValueError(f'seed={seed} is not in [0, 2**32)')
+
+
+def _check_workdir(workdir: str | None) -> None:
+  scheme, sep, rest = (workdir or '').partition('://')
+  if sep:
+    bucket = rest.split('/')[0] or 'BUCKET'
+    raise ValueError(f'--workdir {workdir}: {scheme}:// paths are not supported yet; mount '
+                     f'the bucket (gcsfuse {bucket} /mnt/{bucket}) and pass the local path '
+                     f'(--workdir /mnt/{rest})')
 
 
 def start_workdir(run: Run, writer_enabled: bool) -> None:
