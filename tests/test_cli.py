@@ -69,6 +69,39 @@ def test_gs_workdir_is_refused_before_anything_is_written(tmp_path, capsys, monk
   assert not os.listdir(tmp_path)
 
 
+# Takes the workdir lock as a run does, and keeps it until killed.
+LOCK_HOLDER = """import sys, time
+from trainer import train
+lock = train.lock_workdir(sys.argv[1])
+print('locked', flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_second_run_in_a_workdir_is_refused_naming_the_pid(tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  holder = subprocess.Popen([sys.executable, '-c', LOCK_HOLDER, str(workdir)], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    record = (workdir / train.LOCK_FILE).read_text()
+    code = train.main(['--config', DEFAULT, '--workdir', str(workdir), '--config.steps=1'] + TINY)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f'{workdir} is in use by another run (pid {holder.pid} on ' in err
+    assert os.listdir(workdir) == [train.LOCK_FILE]  # nothing written
+    assert (workdir / train.LOCK_FILE).read_text() == record
+  finally:
+    holder.kill()
+    holder.wait()
+  # Killed, it left its lock file behind, but the lock died with it: taken over.
+  lock = train.lock_workdir(str(workdir))
+  assert json.loads((workdir / train.LOCK_FILE).read_text())['pid'] == os.getpid()
+  train.release_workdir(lock)
+  assert not os.listdir(workdir)
+
+
 def test_empty_corpus(tmp_path, capsys):
   (tmp_path / 'empty.txt').write_bytes(b'')
   code = train.main(['--config', DEFAULT, '--workdir', str(tmp_path / 'run'),

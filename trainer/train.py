@@ -7,16 +7,20 @@ Outputs in the workdir (default ``runs/<config name>``): ``config.json`` (the
 resolved config), ``metrics.jsonl`` (one JSON object per logged step and per
 eval), TensorBoard event files in ``tb/`` and ``parallelism_report.json`` (what
 the parallelism layer decided for every dense layer). Bad input exits with status 2
-and a one-line message before anything is compiled or written. A corrupt
-checkpoint exits with status 1, naming it.
+and a one-line message before anything is compiled or written; so does a workdir
+another run is using (it holds ``ringtrain.lock`` there, see lock_workdir). A
+corrupt checkpoint exits with status 1, naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
+import json
 import os
 import shutil
+import socket
 import sys
 from typing import Any
 
@@ -24,6 +28,8 @@ import ml_collections
 
 from trainer import config as config_lib
 from trainer.config import ConfigError
+
+LOCK_FILE = 'ringtrain.lock'  # in the workdir while a run uses it (lock_workdir)
 
 
 @dataclasses.dataclass
@@ -215,6 +221,74 @@ def start_workdir(run: Run, writer_enabled: bool) -> None:
     f.write(run.cfg.to_json(indent=2) + '\n')
 
 
+def lock_workdir(workdir: str):
+  """Takes ``workdir`` for this run; raises ConfigError naming the process that has it.
+
+  Process 0 holds an flock on ``WORKDIR/ringtrain.lock`` (recording its pid and
+  host) until release_workdir(). The kernel drops the lock of a process that
+  ends however it ends (kill -9 included), so a dead run's lock is taken over.
+  Every process learns the outcome: a refused multi-process run exits 2 in all.
+  Returns the open lock file on process 0, else None.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  lock, holder = _take_lock(workdir) if jax.process_index() == 0 else (None, {})
+  pid = holder.get('pid', 0)
+  if jax.process_count() > 1:
+    pid = int(multihost_utils.broadcast_one_to_all(np.int32(pid)))
+  if pid:
+    who = (f'pid {pid}' + (f' on {holder["host"]}' if holder.get('host') else '')
+           if pid > 0 else 'a process that is starting')
+    raise ConfigError(f'{workdir} is in use by another run ({who}): wait for it to end or '
+                      'stop it, or use another --workdir')
+  return lock
+
+
+def _take_lock(workdir: str):
+  """(the locked file, {}), or (None, the holder's record) when another process has it."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.abspath(os.path.join(workdir, LOCK_FILE))
+  while True:
+    f = open(path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      holder = f.read()
+      f.close()
+      try:
+        return None, json.loads(holder)
+      except ValueError:  # locked a moment ago, the pid not yet written
+        return None, {'pid': -1}
+    except OSError as e:  # a filesystem without locks
+      print(f'warning: cannot lock {path} ({e.strerror}): make sure no other run uses '
+            f'{workdir}', file=sys.stderr)
+      break
+    try:
+      if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+        break
+    except FileNotFoundError:
+      pass
+    f.close()  # its holder removed the file between our open and flock: lock the new one
+  f.seek(0)
+  f.truncate()
+  f.write(json.dumps({'pid': os.getpid(), 'host': socket.gethostname()}) + '\n')
+  f.flush()
+  return f, {}
+
+
+def release_workdir(lock) -> None:
+  """Removes the lock file, then drops the lock (in this order: see _take_lock)."""
+  if lock is None:
+    return
+  try:
+    os.remove(lock.name)
+  except FileNotFoundError:
+    pass
+  lock.close()
+
+
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
   try:
@@ -223,15 +297,29 @@ def main(argv=None) -> int:
     if run.resume_step is not None and run.resume_step >= last:
       print(f'{run.workdir} is already at step {run.resume_step} (of {last}): nothing to do')
       return 0
+    lock = lock_workdir(run.workdir)
   except ValueError as e:  # ConfigError, or a corrupt checkpoint (exit status 1)
     print(f'error: {e}', file=sys.stderr)
     return getattr(e, 'exit_status', 2)
+  try:
+    return _train(run)
+  finally:
+    release_workdir(lock)
+
+
+def _train(run: Run) -> int:
+  """Trains a prepared run in its locked workdir; returns the exit status."""
   from trainer import loop  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from trainer.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
-  start_workdir(run, writer_enabled=jax.process_index() == 0)
   try:
+    # Again, now that no other run can write there: one may have, until the lock.
+    run.resume_step = _validated(_check_checkpoints, run)
+    start_workdir(run, writer_enabled=jax.process_index() == 0)
     loop.train(run)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   except CheckpointError as e:
     print(f'error: {e}', file=sys.stderr)
     return 1
