@@ -4,8 +4,9 @@ r"""Runs a command on every worker of a Cloud TPU VM slice, through gcloud.
       [--skip_setup] -- python -m trainer.train --config configs/dense_10b.py ...
   python -m launch.tpu_pod --tpu NAME --zone ZONE [--project P] --stop
 
-1. packs this working tree (without .venv, runs, .cache, .git) and copies it to
-   every worker (``gcloud compute tpus tpu-vm scp ... --worker=all``);
+1. packs this working tree (without .venv, runs, .cache, .git), in a private
+   temporary directory of this launch, and copies it to every worker
+   (``gcloud compute tpus tpu-vm scp ... --worker=all``);
 2. installs it there in ``~/ringtrain/.venv`` with the ``tpu`` extra;
 3. runs the command on all workers at once (``gcloud compute tpus tpu-vm ssh
    ... --worker=all``), ``python`` meaning that venv's, with
@@ -13,20 +14,29 @@ r"""Runs a command on every worker of a Cloud TPU VM slice, through gcloud.
    find each other; launch/runtime.py). Every output line is prefixed with
    ``[w<worker number>]`` and also kept in ``~/ringtrain/logs/`` on its worker.
 
-``--stop`` sends SIGTERM to the trainer on every worker: each saves a checkpoint
-after its current step and exits; run the same launch command to resume.
+``--stop`` sends SIGTERM to the trainer on every worker (the processes running
+``python -m trainer.train``, not shells whose command line mentions it): each
+saves a checkpoint after its current step and exits; run the same launch
+command to resume.
 ``--dry_run`` prints the exact commands instead of running them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
+import tempfile
 
 REMOTE_DIR = 'ringtrain'
-ARCHIVE = '/tmp/ringtrain.tgz'
+ARCHIVE = 'ringtrain.tgz'  # in a fresh private directory per launch: see main()
+# What --stop signals: a Python interpreter running the trainer module. An
+# extended regex over the whole command line, anchored at the program, so that
+# the shells whose command lines merely contain 'trainer.train' (ours, the
+# launch's `bash -c ...`) are left alone.
+TRAINER_PATTERN = '^[^ ]*python[0-9.]* (-[^ ]+ )*-m trainer[.]train( |$)'
 EXCLUDES = ('.venv', 'runs', '.cache', '.git', '__pycache__')
 WORKER_NUMBER = ('$(curl -s -H "Metadata-Flavor: Google" http://metadata.google.internal/'
                  'computeMetadata/v1/instance/attributes/agent-worker-number)')
@@ -71,17 +81,17 @@ def remote_command(command: list[str]) -> str:
           f'{shlex.join(command)} 2>&1 | tee logs/worker_$W.log | sed -u "s/^/[w$W] /"')
 
 
-def commands(args) -> list[list[str]]:
-  """Everything to run, in order."""
+def commands(args, archive: str) -> list[list[str]]:
+  """Everything to run, in order; ``archive``: where to pack the tree (a private path)."""
   if args.stop:
-    return [_ssh(args, 'pkill -TERM -f trainer.train || true')]
+    return [_ssh(args, f'pkill -TERM -f {shlex.quote(TRAINER_PATTERN)} || true')]
   steps = []
   if not args.skip_setup:
     excludes = [f'--exclude=./{e}' for e in EXCLUDES]
     steps += [
-        ['tar', 'czf', ARCHIVE, *excludes, '.'],
-        _gcloud(args, 'scp', ARCHIVE, f'{args.tpu}:~/'),
-        _ssh(args, f'mkdir -p ~/{REMOTE_DIR} && tar xzf ~/ringtrain.tgz -C ~/{REMOTE_DIR} && '
+        ['tar', 'czf', archive, *excludes, '.'],
+        _gcloud(args, 'scp', archive, f'{args.tpu}:~/'),
+        _ssh(args, f'mkdir -p ~/{REMOTE_DIR} && tar xzf ~/{ARCHIVE} -C ~/{REMOTE_DIR} && '
                    f'cd ~/{REMOTE_DIR} && python3 -m venv .venv && '
                    ".venv/bin/pip install -q -e '.[tpu]'"),
     ]
@@ -90,14 +100,17 @@ def commands(args) -> list[list[str]]:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  for cmd in commands(args):
-    print(shlex.join(cmd), flush=True)
-    if args.dry_run:
-      continue
-    status = subprocess.call(cmd)
-    if status:
-      print(f'error: {cmd[0]} exited with status {status}', file=sys.stderr)
-      return status
+  # mkdtemp: a new directory only this user can enter, so no one else can plant a
+  # symlink where the archive goes or swap the archive before it is copied.
+  with tempfile.TemporaryDirectory(prefix='ringtrain-launch-') as private:
+    for cmd in commands(args, os.path.join(private, ARCHIVE)):
+      print(shlex.join(cmd), flush=True)
+      if args.dry_run:
+        continue
+      status = subprocess.call(cmd)
+      if status:
+        print(f'error: {cmd[0]} exited with status {status}', file=sys.stderr)
+        return status
   return 0
 
 

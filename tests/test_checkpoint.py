@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -142,7 +143,64 @@ def test_truncated_checkpoint_is_named(tmp_path, capsys):
   capsys.readouterr()
   assert _main(tmp_path / 'run', '--config.steps=4') == 1
   err = capsys.readouterr().err.strip()
-  assert '\n' not in err and step2 in err, err
+  assert '\n' not in err and f'{step2}/opt_state is unreadable: ' in err, err
+  assert '<bound method' not in err and 'TensorStore' not in err  # the cause, in words
+
+
+def _break_meta(src, dst, edit):
+  """A copy of workdir ``src`` whose newest checkpoint's metadata ``edit`` changes."""
+  shutil.copytree(src, dst)
+  directory = checkpoint.directory_of(dst)
+  path = os.path.join(directory, str(checkpoint.complete_steps(directory)[-1]), 'meta',
+                      'metadata')
+  with open(path, encoding='utf-8') as f:
+    meta = json.load(f)
+  text = edit(meta)
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(text if isinstance(text, str) else json.dumps(meta))
+  return path
+
+
+def test_broken_metadata_is_corrupt_and_can_fall_back(tmp_path, capsys):
+  assert _main(tmp_path / 'run', '--config.steps=4') == 0  # checkpoints 2 and 4
+  cases = {  # how the metadata breaks -> what the one line says
+      'truncated': (lambda m: json.dumps(m)[:100], 'is not valid JSON, truncated or altered'),
+      'no_checksum': (lambda m: m['checksums'].pop('embed_vd'),
+                      'has no checksum for 1 array(s) (embed_vd)'),
+      'retyped': (lambda m: m['arrays']['embed_vd'].__setitem__(1, 'float16'),
+                  'fail their checksum (embed_vd)'),
+  }
+  for name, (edit, message) in cases.items():
+    path = _break_meta(tmp_path / 'run', tmp_path / name, edit)
+    capsys.readouterr()
+    assert _main(tmp_path / name, '--config.steps=6') == 1, name
+    err = capsys.readouterr().err.strip()
+    assert '\n' not in err and message in err and 'on_corrupt=previous' in err, err
+    assert (path if name != 'retyped' else os.path.dirname(os.path.dirname(path))) in err
+  assert _main(tmp_path / 'truncated', '--config.steps=6', '--config.stop_after=3',
+               '--config.checkpoint.on_corrupt=previous') == 0
+  out = capsys.readouterr().out
+  assert 'moved it to' in out and 'resuming from step 2' in out
+  assert os.path.isdir(os.path.join(checkpoint.directory_of(tmp_path / 'truncated'), '4.corrupt'))
+
+
+def test_only_orbax_commit_marker_makes_a_checkpoint_complete(tmp_path):
+  assert _main(tmp_path / 'run', '--config.steps=2') == 0
+  directory = checkpoint.directory_of(tmp_path / 'run')
+  assert checkpoint.complete_steps(directory) == [2]
+  os.remove(os.path.join(directory, '2', 'commit_success.txt'))  # all else is there
+  assert checkpoint.complete_steps(directory) == []
+
+
+def test_an_update_that_overflows_is_never_saved(tmp_path, capsys):
+  """1e39 is inf in float32: step 1's loss (before the update) is finite, its result not."""
+  assert _main(tmp_path / 'run', '--config.optimizer.learning_rate=1e39',
+               '--config.optimizer.warmup_steps=0', '--config.checkpoint.every=1',
+               '--config.steps=3') == 3
+  err = capsys.readouterr().err.strip()
+  assert err.startswith('error: step 1: the update made parameters or optimizer state '
+                        'non-finite') and 'stopped, no checkpoint' in err, err
+  assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'run')) == []
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, capsys):
@@ -189,15 +247,13 @@ def test_sigkill_during_async_save_resumes_from_last_complete(tmp_path):
     killed_mid_save = False
     deadline = time.time() + 240
     while proc.poll() is None and time.time() < deadline:
-      partial = [d for d in (os.listdir(directory) if os.path.isdir(directory) else [])
-                 if 'tmp' in d]
-      if partial and checkpoint.complete_steps(directory):
+      if _uncommitted(directory) and checkpoint.complete_steps(directory):
         proc.kill()
         killed_mid_save = True
         break
       time.sleep(0.001)
     proc.communicate(timeout=60)
-    if killed_mid_save and any('tmp' in d for d in os.listdir(directory)):
+    if killed_mid_save and _uncommitted(directory):
       break
   else:
     pytest.fail('could not kill the trainer in the middle of a save')
@@ -205,7 +261,14 @@ def test_sigkill_during_async_save_resumes_from_last_complete(tmp_path):
   resumed = _cli(tmp_path / 'run', *big, f'--config.stop_after={last + 1}')
   out = resumed.communicate(timeout=300)[0]
   assert resumed.returncode == 0 and f'resuming from step {last}' in out, out
-  assert not any('tmp' in d for d in os.listdir(directory))  # leftovers cleaned up
+  assert not _uncommitted(directory)  # leftovers cleaned up
+
+
+def _uncommitted(directory):
+  """Step directories a save has started and not committed (written in place)."""
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  complete = set(checkpoint.complete_steps(directory))
+  return [d for d in names if d.isdigit() and int(d) not in complete]
 
 
 def test_hf_import_then_fine_tune(tmp_path, capsys):

@@ -41,6 +41,14 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),
     (['--bogus'], 'unrecognized argument: --bogus'),
+    # values that crashed, or trained nonsense, after writing the workdir
+    (['--config.model.num_kv_heads=0'], 'model.num_kv_heads=0 must be at least 1'),
+    (['--config.model.d_model=0'], 'model.d_model=0 must be at least 1'),
+    (['--config.model.num_layers=0'], 'model.num_layers=0 must be at least 1'),
+    (['--config.seed=-1'], 'seed=-1 is not in [0, 2**32)'),
+    (['--config.optimizer.learning_rate=inf'], 'learning_rate=inf must be finite and > 0'),
+    (['--config.optimizer.learning_rate=0'], 'learning_rate=0.0 must be finite and > 0'),
+    ([f'--config.data.path={ROOT}/tests'], f"data.path='{ROOT}/tests' names a directory"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, overrides, message):
   workdir = tmp_path / 'run'
@@ -50,6 +58,48 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, overrides, message):
   assert code == 2
   assert len(err.splitlines()) == 1 and message in err, err
   assert not workdir.exists()
+
+
+def test_gs_workdir_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  code = train.main(['--config', DEFAULT, '--workdir', 'gs://bucket/run', '--config.steps=1'])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1, err
+  assert 'gs:// paths are not supported yet' in err and '--workdir /mnt/bucket/run' in err
+  assert not os.listdir(tmp_path)
+
+
+# Takes the workdir lock as a run does, and keeps it until killed.
+LOCK_HOLDER = """import sys, time
+from trainer import train
+lock = train.lock_workdir(sys.argv[1])
+print('locked', flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_second_run_in_a_workdir_is_refused_naming_the_pid(tmp_path, capsys):
+  workdir = tmp_path / 'run'
+  holder = subprocess.Popen([sys.executable, '-c', LOCK_HOLDER, str(workdir)], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    record = (workdir / train.LOCK_FILE).read_text()
+    code = train.main(['--config', DEFAULT, '--workdir', str(workdir), '--config.steps=1'] + TINY)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f'{workdir} is in use by another run (pid {holder.pid} on ' in err
+    assert os.listdir(workdir) == [train.LOCK_FILE]  # nothing written
+    assert (workdir / train.LOCK_FILE).read_text() == record
+  finally:
+    holder.kill()
+    holder.wait()
+  # Killed, it left its lock file behind, but the lock died with it: taken over.
+  lock = train.lock_workdir(str(workdir))
+  assert json.loads((workdir / train.LOCK_FILE).read_text())['pid'] == os.getpid()
+  train.release_workdir(lock)
+  assert not os.listdir(workdir)
 
 
 def test_empty_corpus(tmp_path, capsys):

@@ -180,7 +180,12 @@ LLAMA3 = {'rope_type': 'llama3', 'rope_theta': 500000.0, 'factor': 8.0,
     ({'vocab_size': 101},
      'embed_tokens.weight has shape (100, 32), but config.json implies (101, 32)'),
     ({'tie_word_embeddings': True}, 'lm_head.weight differs from embed_tokens.weight'),
-    ({'num_hidden_layers': 3}, 'Llama weights missing'),
+    ({'num_hidden_layers': 3},
+     'config.json says num_hidden_layers=3, but the weights hold layers 0..1 (2 distinct)'),
+    # 12 real tensors per layer, 1e8 layers claimed: refused before expecting any
+    ({'num_hidden_layers': 1e8}, 'num_hidden_layers=100000000, but the weights hold layers'),
+    ({'num_attention_heads': 0}, 'config.json: model.num_heads=0 must be at least 1'),
+    ({'hidden_size': 'big'}, 'config.json has a size that is not a number'),
 ])
 def test_unsupported_configs_exit_2(hf_dir, tmp_path, capsys, changes, message):
   bad = _edited(hf_dir, tmp_path / 'bad', **changes)
@@ -188,6 +193,24 @@ def test_unsupported_configs_exit_2(hf_dir, tmp_path, capsys, changes, message):
   assert convert.main(['hf-import', '--hf_dir', bad, '--out_dir', str(out)]) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith('error: ') and len(err.splitlines()) == 1 and message in err, err
+  assert not out.exists()
+
+
+@pytest.mark.parametrize('shard', ['../outside/model.safetensors', '/etc/model.safetensors',
+                                   'sub/../../model.safetensors'])
+def test_index_naming_a_shard_outside_hf_dir_is_refused(hf_dir, tmp_path, capsys, shard):
+  outside = tmp_path / 'outside'
+  outside.mkdir()
+  os.link(os.path.join(hf_dir, 'model.safetensors'), outside / 'model.safetensors')
+  bad = tmp_path / 'hf'
+  os.makedirs(bad)
+  os.link(os.path.join(hf_dir, 'config.json'), bad / 'config.json')
+  names = convert.read_hf_tensors(hf_dir)
+  (bad / convert.INDEX_FILE).write_text(json.dumps({'weight_map': {n: shard for n in names}}))
+  out = tmp_path / 'out'
+  assert convert.main(['hf-import', '--hf_dir', str(bad), '--out_dir', str(out)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and f'names a shard outside {bad}: {shard!r}' in err, err
   assert not out.exists()
 
 

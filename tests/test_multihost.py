@@ -73,6 +73,24 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
   assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'a'))[-1] == 6
 
 
+def test_a_locked_workdir_refuses_every_process(tmp_path):
+  """Only process 0 takes the lock; the others learn its answer and exit 2 too."""
+  from tests.test_cli import LOCK_HOLDER  # pylint: disable=import-outside-toplevel
+  holder = subprocess.Popen([sys.executable, '-c', LOCK_HOLDER, str(tmp_path / 'run')],
+                            cwd=ROOT, env=_env(PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    code, out = _launch(tmp_path / 'run', '--config.steps=1')
+  finally:
+    holder.kill()
+    holder.wait()
+  assert code != 0, out
+  for p in (0, 1):
+    assert f'[p{p}] error: {tmp_path / "run"} is in use by another run (pid {holder.pid}' in out
+  assert 'exited with status 2' in out
+
+
 def _children(pid: int) -> list[int]:
   with open(f'/proc/{pid}/task/{pid}/children') as f:
     return [int(p) for p in f.read().split()]

@@ -52,22 +52,40 @@ def test_schedules_without_warmup_start_at_the_peak():
   np.testing.assert_allclose(rsqrt(3), 5e-3, rtol=1e-6)  # 1e-2 / sqrt(step + 1)
 
 
-def test_gradient_accumulation_matches_full_batch():
+def _tiny(tx):
+  """(graphdef, state, batch) of a one-layer model and a batch of 4 x 16 tokens."""
   cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
                           num_kv_heads=4, head_dim=8, mlp_dim=64)
   graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)))
-  tx = optax.sgd(1.0)
   tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, 64)
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
            'positions': jnp.broadcast_to(jnp.arange(16), (4, 16)),
            'segments': jnp.zeros((4, 16), jnp.int32)}
-  state = TrainState(jnp.int32(0), params, tx.init(params))
+  return graphdef, TrainState(jnp.int32(0), params, tx.init(params)), batch
+
+
+def test_gradient_accumulation_matches_full_batch():
+  tx = optax.sgd(1.0)
+  graphdef, state, batch = _tiny(tx)
   full, m_full = jax.jit(make_train_step(graphdef, tx, 0.0, 1))(state, batch)
   accum, m_accum = jax.jit(make_train_step(graphdef, tx, 0.0, 2))(state, batch)
   np.testing.assert_allclose(m_full['loss'], m_accum['loss'], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(accum.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert int(full.step) == 1
+
+
+def test_an_update_that_overflows_is_not_finite():
+  """The loss is of the weights before the update; the update itself can overflow."""
+  tx = optax.sgd(1e39)  # inf in float32
+  graphdef, state, batch = _tiny(tx)
+  new, m = jax.jit(make_train_step(graphdef, tx, 0.0, 1))(state, batch)
+  assert np.isfinite(m['loss']) and np.isfinite(m['grad_norm']) and not m['finite']
+  assert not all(np.isfinite(x).all() for x in jax.tree.leaves(new.params))
+  kept, m = jax.jit(make_train_step(graphdef, tx, 0.0, 1, skip_nonfinite=True))(state, batch)
+  assert int(m['skipped']) == 1 and int(kept.step) == 1
+  for a, b in zip(jax.tree.leaves(kept.params), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_flops_per_token_formula():

@@ -3,10 +3,11 @@
 A run keeps its checkpoints in ``WORKDIR/checkpoints/<step>/``, each with the
 items ``params`` and ``opt_state`` (sharded arrays; every process writes its
 own shards) and ``meta`` (JSON: the step, the model config, the layer layout,
-every array's shape, dtype and checksum, and the run config). Orbax writes a
-checkpoint into a temporary directory and renames it when it is complete, so a
-process killed in the middle of a save leaves nothing that looks like a
-checkpoint; such leftovers are ignored.
+every array's shape, dtype and checksum, and the run config). A checkpoint is
+complete only once Orbax has written its commit marker (``commit_success.txt``,
+the last file of a save; Orbax's commit-file mode, which writes in place and
+renames nothing), so what a process killed in the middle of a save leaves is
+never taken for a checkpoint, on any filesystem; the next start removes it.
 
 Every array is stored under a flat dotted name (``blocks.0.attn.q_dnh``,
 ``opt.0.mu.blocks.0.attn.q_dnh``), so restores can say which names differ, and
@@ -14,7 +15,10 @@ restoring onto another mesh or device count is a matter of the target
 shardings. Restores verify each array against its checksum (a position-weighted
 wraparound sum of its bits, the same however the array is sharded), so files
 that were truncated or altered are caught even when the storage layer reads
-them without complaint.
+them without complaint. A checkpoint that cannot be read, whose metadata is
+not what a save writes, or whose arrays disagree with it is corrupt
+(:class:`CorruptCheckpoint`): the run stops naming it, or with
+``on_corrupt=previous`` sets it aside and uses the newest good one.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+import re
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +36,21 @@ import orbax.checkpoint as ocp
 
 FORMAT = 'ringtrain-checkpoint-1'
 SUBDIR = 'checkpoints'
+COMMIT_MARKER = 'commit_success.txt'  # orbax's atomicity_types.COMMIT_SUCCESS_FILE
+# In place, committed by COMMIT_MARKER: completeness does not rest on atomic renames
+# (which GCS FUSE, for one, does not have).
+ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+RESUME_HINT = ('; --config.checkpoint.on_corrupt=previous resumes from the newest readable '
+               'earlier checkpoint')
 
 
 class CheckpointError(ValueError):
   """A checkpoint that is missing, unreadable, corrupted or incompatible."""
+
+
+class CorruptCheckpoint(CheckpointError):
+  """A complete checkpoint that cannot be read or disagrees with itself (exit status 1)."""
+  exit_status = 1
 
 
 # ------------------------------------------------------------ flat names
@@ -88,13 +104,22 @@ def checksums(flat: dict[str, jax.Array]) -> dict[str, int]:
 
 
 def _verify(flat: dict[str, jax.Array], meta: dict, where: str) -> None:
-  stored = meta['checksums']
-  comparable = {k: v for k, v in flat.items()
-                if str(np.dtype(v.dtype)) == meta['arrays'][k][1]}
-  bad = sorted(k for k, v in checksums(comparable).items() if v != stored[k])
+  """Every array as read must have the dtype and checksum its metadata records."""
+  recorded = meta['arrays']
+  retyped = sorted(k for k, v in flat.items() if str(np.dtype(v.dtype)) != recorded[k][1])
+  if retyped:
+    k = retyped[0]
+    raise CorruptCheckpoint(f'{where} is corrupted: {len(retyped)} array(s) read with another '
+                            f'dtype than recorded ({k}: {np.dtype(flat[k].dtype)}, recorded '
+                            f'{recorded[k][1]})')
+  bad = sorted(k for k, v in checksums(flat).items() if v != meta['checksums'][k])
   if bad:
-    raise CheckpointError(f'{where} is corrupted: {len(bad)} array(s) fail their checksum '
-                          f'({", ".join(bad[:3])}{", ..." if len(bad) > 3 else ""})')
+    raise CorruptCheckpoint(f'{where} is corrupted: {len(bad)} array(s) fail their checksum '
+                            f'({_some(bad)})')
+
+
+def _some(names: list[str]) -> str:
+  return ', '.join(names[:3]) + (', ...' if len(names) > 3 else '')
 
 
 # ------------------------------------------------------------- locations
@@ -123,11 +148,11 @@ def resolve(path: str) -> tuple[str, int]:
 
 
 def _is_complete(step_dir: str) -> bool:
-  return os.path.isdir(os.path.join(step_dir, 'meta'))
+  return os.path.isfile(os.path.join(step_dir, COMMIT_MARKER))
 
 
 def complete_steps(directory: str) -> list[int]:
-  """Steps of complete checkpoints (Orbax renames a step directory into place last)."""
+  """Steps of complete checkpoints: those with Orbax's commit marker (written last)."""
   if not os.path.isdir(directory):
     return []
   return sorted(int(d) for d in os.listdir(directory)
@@ -135,19 +160,56 @@ def complete_steps(directory: str) -> list[int]:
 
 
 def read_meta(directory: str, step: int) -> dict:
-  """The JSON metadata of one checkpoint."""
+  """The JSON metadata of one checkpoint, read without starting JAX.
+
+  Raises CorruptCheckpoint, naming the file and what is wrong, unless it has
+  everything a restore relies on.
+  """
   where = os.path.join(directory, str(step))
+  path = os.path.join(where, 'meta', 'metadata')  # the file ocp.args.JsonSave writes
   try:
-    with ocp.CheckpointManager(directory, item_names=('meta',),
-                               options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
-      meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f'checkpoint {where}: cannot read its metadata '
-                          f'({type(e).__name__}: {str(e).splitlines()[0][:200]})') from None
-  if not isinstance(meta, dict) or meta.get('format') != FORMAT:
-    raise CheckpointError(f'{where} is not a ringtrain checkpoint (format '
-                          f'{meta.get("format") if isinstance(meta, dict) else None!r})')
+    with open(path, encoding='utf-8') as f:
+      meta = json.load(f)
+  except OSError as e:
+    raise CorruptCheckpoint(f'{where} is corrupted: cannot read {path} ({e.strerror})') from None
+  except ValueError as e:
+    raise CorruptCheckpoint(f'{where} is corrupted: {path} is not valid JSON, truncated or '
+                            f'altered ({e})') from None
+  problem = _meta_problem(meta, step)
+  if problem:
+    raise CorruptCheckpoint(f'{where} is corrupted: {path} {problem}')
   return meta
+
+
+def _meta_problem(meta, step: int) -> str | None:
+  """What makes ``meta`` unlike the metadata a save writes, in words; None if nothing."""
+  if not isinstance(meta, dict) or meta.get('format') != FORMAT:
+    return (f'is not ringtrain checkpoint metadata (format '
+            f'{meta.get("format") if isinstance(meta, dict) else None!r})')
+  if meta.get('step') != step:
+    return f'records step {meta.get("step")!r}, not {step}'
+  arrays, sums = meta.get('arrays'), meta.get('checksums')
+  if not all(isinstance(x, dict) for x in (meta.get('model'), arrays, sums)):
+    return 'lacks the model config, the array list or the checksums'
+  unsummed = sorted(set(arrays) - set(sums))
+  if unsummed:
+    return f'has no checksum for {len(unsummed)} array(s) ({_some(unsummed)})'
+  for name, entry in arrays.items():
+    if not (_is_array_entry(entry) and isinstance(sums[name], int)):
+      return f'has a malformed entry for {name} ({entry!r}, checksum {sums[name]!r})'
+  return None
+
+
+def _is_array_entry(entry) -> bool:
+  """[shape, dtype] with a dtype the checksums cover."""
+  if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+          and all(isinstance(d, int) and d >= 0 for d in entry[0])
+          and isinstance(entry[1], str)):
+    return False
+  try:
+    return np.dtype(entry[1]).itemsize in (1, 2, 4)
+  except TypeError:
+    return False
 
 
 def peek_model_config(path: str) -> dict:
@@ -156,26 +218,32 @@ def peek_model_config(path: str) -> dict:
   For config files (``configs/finetune.py``), which run before the devices are
   set up.
   """
-  try:
-    return peek_meta(path)['model']
-  except (KeyError, TypeError) as e:
-    raise CheckpointError(f'{path}: no model config in the checkpoint metadata '
-                          f'({type(e).__name__})') from None
+  return peek_meta(path)['model']
 
 
 def peek_meta(path: str) -> dict:
-  """The metadata of the checkpoint at ``path``, read without starting JAX.
+  """The metadata of the checkpoint at ``path`` (see :func:`resolve`)."""
+  return read_meta(*resolve(path))
 
-  Reads the JSON file that ``ocp.args.JsonSave`` writes for ``meta``.
+
+def newest_good(steps: list[int], on_corrupt: str, load: Callable[[int], Any],
+                set_aside: Callable[[int, CheckpointError], None] | None = None):
+  """``(load(step), step)`` for the newest of ``steps`` whose load succeeds.
+
+  ``load`` raising CorruptCheckpoint ends the walk with that error, unless
+  ``on_corrupt`` is 'previous': then ``set_aside`` (if given) gets the step and
+  the next older one is tried; the oldest failing too ends it.
   """
-  directory, step = resolve(path)
-  meta_file = os.path.join(directory, str(step), 'meta', 'metadata')
-  try:
-    with open(meta_file, encoding='utf-8') as f:
-      return json.load(f)
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f'{meta_file}: cannot read the checkpoint metadata '
-                          f'({type(e).__name__})') from None
+  for i, step in enumerate(reversed(steps)):
+    try:
+      return load(step), step
+    except CorruptCheckpoint as e:
+      if on_corrupt != 'previous' or i == len(steps) - 1:
+        hint = RESUME_HINT if on_corrupt != 'previous' and i < len(steps) - 1 else ''
+        raise CorruptCheckpoint(f'{e}{hint}') from None
+      if set_aside:
+        set_aside(step, e)
+  raise CheckpointError('no checkpoint to restore')
 
 
 # --------------------------------------------------------------- a run's
@@ -202,16 +270,20 @@ class Policy:
                        'previous')
 
 
+def _manager(directory: str, items: tuple[str, ...], **options) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(directory, item_names=items, options=ocp.CheckpointManagerOptions(
+      atomicity_options=ATOMICITY, **options))
+
+
 class Checkpointer:
   """Saves and restores one run's TrainState (see the module docstring)."""
 
   def __init__(self, workdir: str, policy: Policy):
     self.directory, self.policy = directory_of(workdir), policy
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=policy.keep, keep_period=policy.keep_period or None,
+    self._mngr = _manager(
+        self.directory, ('params', 'opt_state', 'meta'), max_to_keep=policy.keep,
+        keep_period=policy.keep_period or None,
         enable_async_checkpointing=policy.async_save, cleanup_tmp_directories=True)
-    self._mngr = ocp.CheckpointManager(self.directory, options=options,
-                                       item_names=('params', 'opt_state', 'meta'))
 
   def steps(self) -> list[int]:
     return complete_steps(self.directory)
@@ -229,37 +301,33 @@ class Checkpointer:
 
   def restore(self, abstract_state) -> tuple[Any, int]:
     """The newest good checkpoint as a state sharded like ``abstract_state``."""
-    steps = self.steps()
-    for i, step in enumerate(reversed(steps)):
-      try:
-        return self._restore(step, abstract_state), step
-      except CheckpointError as e:
-        if self.policy.on_corrupt != 'previous' or i == len(steps) - 1:
-          hint = ('' if self.policy.on_corrupt == 'previous' else
-                  '; --config.checkpoint.on_corrupt=previous resumes from the newest '
-                  'readable earlier checkpoint')
-          raise CheckpointError(f'{e}{hint}') from None
-        self._set_aside(step, e)
-    raise CheckpointError(f'no checkpoint in {self.directory}')
+    return newest_good(self.steps(), self.policy.on_corrupt,
+                       lambda step: self._restore(step, abstract_state), self._set_aside)
 
   def _set_aside(self, step: int, error: CheckpointError) -> None:
     """Renames a bad checkpoint out of the way (kept for inspection), so it is redone."""
     bad = os.path.join(self.directory, str(step))
     if jax.process_index() == 0:
-      os.replace(bad, f'{bad}.corrupt')
-      print(f'warning: {error}; moved it to {bad}.corrupt and trying the previous checkpoint')
+      aside, n = f'{bad}.corrupt', 1
+      while os.path.exists(aside):  # the same step went bad before
+        aside, n = f'{bad}.corrupt.{n}', n + 1
+      os.replace(bad, aside)
+      print(f'warning: {error}; moved it to {aside} and trying the previous checkpoint')
     ocp.multihost.sync_global_processes(f'ringtrain_set_aside_{step}')
     self._mngr.reload()
 
   def _restore(self, step: int, abstract_state):
     where = os.path.join(self.directory, str(step))
     meta = read_meta(self.directory, step)
-    target = flatten({'step': abstract_state.step, 'opt': abstract_state.opt_state})
-    restored = _read_items(where, self._mngr, step, {
-        'params': flatten(abstract_state.params), 'opt_state': target})
-    _verify({**restored['params'], **restored['opt_state']}, meta, where)
-    rest = unflatten({'step': abstract_state.step, 'opt': abstract_state.opt_state},
-                     restored['opt_state'])
+    opt_like = {'step': abstract_state.step, 'opt': abstract_state.opt_state}
+    wanted = {'params': flatten(abstract_state.params), 'opt_state': flatten(opt_like)}
+    diff = differences(meta['arrays'], describe({**wanted['params'], **wanted['opt_state']}))
+    if diff:  # not corrupt: saved by a run with another optimizer, say; kept as it is
+      raise CheckpointError(f'{where} does not fit this run\'s state ({len(diff)} '
+                            f'difference(s)): ' + '; '.join(diff[:5]))
+    restored = {name: _read(where, self._mngr, step, name, meta, flat)
+                for name, flat in wanted.items()}
+    rest = unflatten(opt_like, restored['opt_state'])
     return type(abstract_state)(rest['step'], unflatten(abstract_state.params,
                                                         restored['params']), rest['opt'])
 
@@ -271,24 +339,42 @@ class Checkpointer:
     self._mngr.close()
 
 
-def _read_items(where: str, mngr, step: int, targets: dict[str, dict]) -> dict:
-  args = {name: ocp.args.StandardRestore(_as_restore_target(flat))
-          for name, flat in targets.items()}
-  try:
-    return mngr.restore(step, args=ocp.args.Composite(**args))
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f'checkpoint {where} is unreadable ({type(e).__name__}: '
-                          f'{str(e).splitlines()[0][:200]})') from None
+def _read(where: str, mngr, step: int, item: str, meta: dict, wanted: dict) -> dict:
+  """Item ``item``'s arrays, verified in their recorded dtypes, then cast as ``wanted``.
 
-
-def _as_restore_target(flat: dict) -> dict:
-  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+  Every array is checked against its checksum, also when the run wants another
+  dtype (a bf16 checkpoint fine-tuned in fp32).
+  """
+  target = {k: jax.ShapeDtypeStruct(v.shape, np.dtype(meta['arrays'][k][1]), sharding=v.sharding)
+            for k, v in wanted.items()}
+  flat = _restore_item(where, mngr, step, item, ocp.args.StandardRestore(target))
+  _verify(flat, meta, where)
+  return {k: v if v.dtype == wanted[k].dtype else v.astype(wanted[k].dtype)
           for k, v in flat.items()}
+
+
+def _restore_item(where: str, mngr, step: int, item: str, args) -> dict:
+  try:
+    return mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+  except Exception as e:  # pylint: disable=broad-except  # Orbax and TensorStore raise anything
+    raise CorruptCheckpoint(f'{where} is corrupted: {os.path.join(where, item)} is '
+                            f'unreadable: {_cause(e)}') from None
+
+
+def _cause(error: BaseException) -> str:
+  """The innermost cause of an Orbax error, in its words (not TensorStore's spec dump)."""
+  while error.__cause__ or error.__context__:
+    error = error.__cause__ or error.__context__
+  text = (str(error).splitlines() or [''])[0]
+  text = re.sub(r'^[A-Z_]+: ', '', text)  # TensorStore's status code (DATA_LOSS: ...)
+  if isinstance(error, json.JSONDecodeError):
+    return f'a JSON file in it is truncated or altered ({text})'
+  return (text or type(error).__name__)[:300]
 
 
 # ---------------------------------------------------------- params only
 
-def restore_params(path: str, abstract_params, model_meta: dict | None = None):
+def restore_params(path: str, abstract_params):
   """Parameters only from the checkpoint at ``path``, sharded like ``abstract_params``.
 
   Raises CheckpointError listing every parameter whose name or shape differs.
@@ -296,17 +382,15 @@ def restore_params(path: str, abstract_params, model_meta: dict | None = None):
   directory, step = resolve(path)
   meta = read_meta(directory, step)
   wanted = flatten(abstract_params)
+  where = os.path.join(directory, str(step))
   diff = differences({k: v for k, v in meta['arrays'].items() if not is_optimizer(k)},
                      describe(wanted))
   if diff:
     more = f'; and {len(diff) - 20} more' if len(diff) > 20 else ''
-    raise CheckpointError(f'{os.path.join(directory, str(step))} does not fit the model '
-                          f'({len(diff)} difference(s)): ' + '; '.join(diff[:20]) + more)
-  where = os.path.join(directory, str(step))
-  with ocp.CheckpointManager(directory, item_names=('params',),
-                             options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
-    flat = _read_items(where, mngr, step, {'params': wanted})['params']
-  _verify(flat, meta, where)
+    raise CheckpointError(f'{where} does not fit the model ({len(diff)} difference(s)): '
+                          + '; '.join(diff[:20]) + more)
+  with _manager(directory, ('params',), read_only=True) as mngr:
+    flat = _read(where, mngr, step, 'params', meta, wanted)
   return unflatten(abstract_params, flat)
 
 
@@ -324,9 +408,8 @@ def write_params(directory: str, params, model_config: dict, *, source: str = ''
   flat = {k: jnp.asarray(v) for k, v in flatten(params).items()}
   meta = {'format': FORMAT, 'step': 0, 'model': model_config, 'source': source,
           'arrays': describe(flat), 'checksums': checksums(flat)}
-  with ocp.CheckpointManager(directory_of(directory), item_names=('params', 'meta'),
-                             options=ocp.CheckpointManagerOptions(
-                                 enable_async_checkpointing=False)) as mngr:
+  with _manager(directory_of(directory), ('params', 'meta'),
+                enable_async_checkpointing=False) as mngr:
     mngr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(flat),
                                          meta=ocp.args.JsonSave(meta)), force=True)
   return os.path.join(directory_of(directory), '0')
@@ -339,14 +422,9 @@ def read_params(path: str) -> tuple[dict, dict[str, np.ndarray]]:
   where = os.path.join(directory, str(step))
   as_numpy = {k: ocp.RestoreArgs(restore_type=np.ndarray)
               for k in meta['arrays'] if not is_optimizer(k)}
-  with ocp.CheckpointManager(directory, item_names=('params',),
-                             options=ocp.CheckpointManagerOptions(read_only=True)) as mngr:
-    try:
-      flat = mngr.restore(step, args=ocp.args.Composite(
-          params=ocp.args.PyTreeRestore(restore_args=as_numpy))).params
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'checkpoint {where} is unreadable ({type(e).__name__}: '
-                            f'{str(e).splitlines()[0][:200]})') from None
+  with _manager(directory, ('params',), read_only=True) as mngr:
+    flat = _restore_item(where, mngr, step, 'params',
+                         ocp.args.PyTreeRestore(restore_args=as_numpy))
   _verify({k: jnp.asarray(v) for k, v in flat.items()}, meta, where)
   nested: dict = {}
   for name, value in flat.items():

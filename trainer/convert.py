@@ -27,6 +27,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -113,23 +114,27 @@ def model_config_from_hf(hf: dict, scan_layers: bool = False,
                          'num_attention_heads', 'intermediate_size') if hf.get(k) is None]
   if missing:
     raise ConvertError(f'config.json lacks {", ".join(missing)}')
-  heads = hf['num_attention_heads']
-  head_dim = hf.get('head_dim') or hf['hidden_size'] // heads
+  try:
+    heads = int(hf['num_attention_heads'])
+    head_dim = int(hf.get('head_dim') or hf['hidden_size'] // max(heads, 1))
+    cfg = TransformerConfig(
+        vocab_size=int(hf['vocab_size']), d_model=int(hf['hidden_size']),
+        num_layers=int(hf['num_hidden_layers']), num_heads=heads,
+        num_kv_heads=int(hf.get('num_key_value_heads') or heads), head_dim=head_dim,
+        mlp_dim=int(hf['intermediate_size']),
+        max_seq_len=int(hf.get('max_position_embeddings', 2048)),
+        rope_theta=_rope_theta(hf), norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+        tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+        param_dtype=param_dtype, scan_layers=scan_layers)
+  except (TypeError, ValueError, OverflowError) as e:
+    raise ConvertError(f'config.json has a size that is not a number ({e})') from None
   if head_dim % 2:
     raise ConvertError(f'head_dim={head_dim} must be even for rotary embeddings')
-  cfg = TransformerConfig(
-      vocab_size=int(hf['vocab_size']), d_model=int(hf['hidden_size']),
-      num_layers=int(hf['num_hidden_layers']), num_heads=int(heads),
-      num_kv_heads=int(hf.get('num_key_value_heads') or heads), head_dim=int(head_dim),
-      mlp_dim=int(hf['intermediate_size']),
-      max_seq_len=int(hf.get('max_position_embeddings', 2048)),
-      rope_theta=_rope_theta(hf), norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
-      tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
-      param_dtype=param_dtype, scan_layers=scan_layers)
+  from trainer import train  # pylint: disable=g-import-not-at-top
   try:
-    cfg.validate()
+    train.check_model(cfg)
   except ValueError as e:
-    raise ConvertError(str(e)) from None
+    raise ConvertError(f'config.json: {e}') from None
   return cfg
 
 
@@ -158,8 +163,12 @@ def weight_files(hf_dir: str) -> list[str]:
     try:
       with open(index, encoding='utf-8') as f:
         names = sorted(set(json.load(f)['weight_map'].values()))
-    except (OSError, ValueError, KeyError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
       raise ConvertError(f'cannot read the weight_map of {index}: {e!r}') from None
+    outside = [n for n in names if not _is_inside(n)]
+    if outside:
+      raise ConvertError(f'{index} names a shard outside {hf_dir}: {outside[0]!r} (only '
+                         'file names relative to that directory, without "..", are read)')
     files = [os.path.join(hf_dir, n) for n in names]
     absent = [n for n in names if not os.path.isfile(os.path.join(hf_dir, n))]
     if absent:
@@ -178,6 +187,13 @@ def weight_files(hf_dir: str) -> list[str]:
         f"AutoModelForCausalLM as M; M.from_pretrained('{hf_dir}')"
         ".save_pretrained('NEW_DIR', safe_serialization=True)\"")
   raise ConvertError(f'{hf_dir} has no *.safetensors weights')
+
+
+def _is_inside(name) -> bool:
+  """Whether shard name ``name`` stays in its directory (relative, no way up)."""
+  if not isinstance(name, str) or not name or os.path.isabs(name):
+    return False
+  return os.path.normpath(name).split(os.sep)[0] != os.pardir
 
 
 def _read_raw(path: str, names: list[str]) -> dict[str, np.ndarray]:
@@ -255,6 +271,7 @@ def _strip_prefix(tensors: dict, cfg: TransformerConfig) -> dict[str, np.ndarray
     if key in out:
       raise ConvertError(f'both {key} and model.{key} are in the checkpoint')
     out[key] = tensors.pop(name)
+  _check_layer_count(out, cfg)
   expected = set(_hf_shapes(cfg)) | ({'lm_head.weight'} if not cfg.tie_embeddings else set())
   missing, extra = sorted(expected - set(out)), sorted(set(out) - expected)
   if missing:
@@ -270,6 +287,16 @@ def _strip_prefix(tensors: dict, cfg: TransformerConfig) -> dict[str, np.ndarray
     raise ConvertError(f'{len(extra)} unexpected tensors, e.g. {extra[:3]}: only '
                        'bias-free Llama weights are supported')
   return out
+
+
+def _check_layer_count(tensors: dict, cfg: TransformerConfig) -> None:
+  """config.json's layer count against the layers the weights hold, before expecting any."""
+  layers = {int(m.group(1)) for m in map(re.compile(r'layers\.(\d+)\.').match, tensors) if m}
+  if len(layers) != cfg.num_layers or max(layers, default=-1) != cfg.num_layers - 1:
+    held = (f'layers {min(layers)}..{max(layers)} ({len(layers)} distinct)' if layers
+            else 'no layers')
+    raise ConvertError(f'config.json says num_hidden_layers={cfg.num_layers}, but the '
+                       f'weights hold {held}')
 
 
 def _check_hf_shapes(tensors: dict, cfg: TransformerConfig) -> None:

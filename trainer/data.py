@@ -94,6 +94,10 @@ def load_corpus(data_cfg: Any, vocab_size: int, seed: int) -> Corpus:
     files = sorted(glob.glob(path))
     if not files:
       raise ValueError(f'data.path={path!r} matches no file')
+    folders = [f for f in files if os.path.isdir(f)]
+    if folders:
+      raise ValueError(f'data.path={path!r} names a directory ({folders[0]}): name text files '
+                       f'or a glob of them, e.g. {os.path.join(folders[0], "*.txt")}')
     tokens, counts = _read_text(files, tok)
     desc = f'{len(files)} text file(s) from {path}'
   if counts is not None and not tok.byte_level:
@@ -122,7 +126,8 @@ def _read_text(files: list[str], tok) -> tuple[np.ndarray, np.ndarray]:
 
 def _read_token_file(path: str, bin_dtype: str) -> np.ndarray:
   if not os.path.isfile(path):
-    raise ValueError(f'data.path={path!r} does not exist')
+    raise ValueError(f'data.path={path!r} ' + ('is not a file' if os.path.exists(path)
+                                                else 'does not exist'))
   if path.endswith('.npy'):
     tokens = np.load(path, allow_pickle=False)
   else:

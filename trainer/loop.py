@@ -225,16 +225,21 @@ def checkpoint_meta(run) -> dict:
 
 
 def _check_finite(out, step: int, on_nonfinite: str, ckpt) -> None:
-  loss, grad_norm = float(out['loss']), float(out['grad_norm'])
-  if np.isfinite(loss) and np.isfinite(grad_norm):
+  """Stops (or warns of a skipped update) before a non-finite state can be saved."""
+  if bool(out['finite']):
     return
+  loss, grad_norm = float(out['loss']), float(out['grad_norm'])
+  what = (f'loss is {loss} (grad_norm {grad_norm})'
+          if not (np.isfinite(loss) and np.isfinite(grad_norm)) else
+          f'the update made parameters or optimizer state non-finite (loss {loss}, '
+          f'grad_norm {grad_norm})')
   if on_nonfinite == 'skip':
-    print(f'warning: step {step}: loss {loss}, grad_norm {grad_norm}; update skipped')
+    print(f'warning: step {step}: {what}; update skipped')
     return
   ckpt.wait()
   steps = ckpt.steps()
   kept = f'the last checkpoint (step {steps[-1]}) is intact' if steps else 'no checkpoint'
-  raise Stopped(f'step {step}: loss is {loss} (grad_norm {grad_norm}); stopped, {kept}; '
+  raise Stopped(f'step {step}: {what}; stopped, {kept}; '
                 '--config.on_nonfinite=skip drops such updates instead', 3)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -17,6 +18,8 @@ def validate(opt_cfg: Any) -> None:
   kind = opt_cfg.get('schedule', 'cosine')
   if kind not in SCHEDULES:
     raise ValueError(f'optimizer.schedule={kind!r} is not one of {", ".join(SCHEDULES)}')
+  if not (math.isfinite(opt_cfg.learning_rate) and opt_cfg.learning_rate > 0):
+    raise ValueError(f'optimizer.learning_rate={opt_cfg.learning_rate} must be finite and > 0')
   if opt_cfg.warmup_steps < 0:
     raise ValueError(f'optimizer.warmup_steps={opt_cfg.warmup_steps} must be >= 0')
   if not 0 <= opt_cfg.end_lr_fraction <= 1:

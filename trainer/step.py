@@ -30,10 +30,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   """Builds ``train_step(state, batch) -> (state, metrics)``.
 
   With ``accum_steps > 1`` the batch is split into that many microbatches whose
-  gradients are averaged before one optimizer update. With ``skip_nonfinite``
-  a step whose loss or gradient norm is NaN or infinite leaves parameters and
-  optimizer state unchanged (the step counter still advances) and reports
-  ``skipped = 1``.
+  gradients are averaged before one optimizer update. ``finite`` reports whether
+  the loss, the gradient norm and the updated parameters and optimizer state are
+  all finite: the loss describes the weights before the update, a checkpoint
+  holds those after it. With ``skip_nonfinite`` a step that is not finite leaves
+  parameters and optimizer state unchanged (the step counter still advances)
+  and reports ``skipped = 1``.
   """
 
   def loss_fn(params, batch):
@@ -71,16 +73,23 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
-    metrics = {'loss': ce, 'grad_norm': grad_norm,
+    ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
+    metrics = {'loss': ce, 'grad_norm': grad_norm, 'finite': ok,
                **{f'moe_{k}': v for k, v in moe_stats.items()}}
     if skip_nonfinite:
-      ok = jnp.isfinite(ce) & jnp.isfinite(grad_norm)
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
       params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
       metrics['skipped'] = 1 - ok.astype(jnp.int32)
     return TrainState(state.step + 1, params, opt_state), metrics
 
   return train_step
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every floating-point element of ``tree`` is finite (one boolean)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, byte_vocab: int | None):

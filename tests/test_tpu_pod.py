@@ -1,0 +1,86 @@
+"""launch/tpu_pod.py against a stand-in gcloud: where the archive goes, what --stop signals."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from launch import tpu_pod
+
+# Logs its arguments; `scp` keeps a copy of what it was given (and the mode of its
+# directory); `ssh` runs the
+# remote command here only when RUN_SSH is set, with a pkill that sees only the
+# test's own session (never anyone else's processes on this machine).
+GCLOUD = r'''#!/bin/bash
+echo "$*" >> "$STANDIN/log"
+if [ "$4" = scp ]; then cp "$5" "$STANDIN/sent.tgz"; stat -c %a "$(dirname "$5")" > "$STANDIN/mode"; fi
+if [ "$4" = ssh ] && [ -n "$RUN_SSH" ]; then
+  for a in "$@"; do case "$a" in --command=*) cmd="${a#--command=}";; esac; done
+  PATH="$STANDIN/shim:$PATH" bash -c "$cmd"
+fi
+'''
+PKILL = '#!/bin/bash\nexec /usr/bin/pkill -s "$TEST_SESSION" "$@"\n'
+
+
+def _standin(tmp_path, monkeypatch):
+  standin = tmp_path / 'standin'
+  (standin / 'shim').mkdir(parents=True)
+  for path, text in ((standin / 'gcloud', GCLOUD), (standin / 'shim' / 'pkill', PKILL)):
+    path.write_text(text)
+    path.chmod(0o755)
+  monkeypatch.setenv('PATH', f'{standin}{os.pathsep}{os.environ["PATH"]}')
+  monkeypatch.setenv('STANDIN', str(standin))
+  return standin
+
+
+def test_archive_goes_to_a_private_directory_of_its_own(tmp_path, monkeypatch):
+  standin = _standin(tmp_path, monkeypatch)
+  shared_tmp = tmp_path / 'tmp'
+  shared_tmp.mkdir()
+  victim = tmp_path / 'victim'
+  victim.write_text('precious')
+  (shared_tmp / 'ringtrain.tgz').symlink_to(victim)  # planted by another user
+  monkeypatch.setattr(tempfile, 'tempdir', str(shared_tmp))
+  tree = tmp_path / 'tree'
+  tree.mkdir()
+  (tree / 'hello.py').write_text('print(1)\n')
+  monkeypatch.chdir(tree)
+  assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--', 'python', '-c', 'pass']) == 0
+  assert victim.read_text() == 'precious'
+  scp = next(l for l in (standin / 'log').read_text().splitlines() if ' scp ' in l)
+  archive = scp.split()[4]
+  private = os.path.dirname(archive)
+  assert os.path.dirname(private) == str(shared_tmp) and archive != str(shared_tmp / 'ringtrain.tgz')
+  assert (standin / 'mode').read_text().strip() == '700'  # only this user can enter it
+  assert not os.path.exists(private)  # removed after the launch
+  listing = subprocess.run(['tar', 'tzf', standin / 'sent.tgz'], capture_output=True, text=True,
+                           check=True).stdout
+  assert './hello.py' in listing.split()
+
+
+def test_stop_signals_the_trainer_and_not_shells_that_mention_it(tmp_path, monkeypatch):
+  _standin(tmp_path, monkeypatch)
+  fake = tmp_path / 'fake' / 'trainer'
+  fake.mkdir(parents=True)
+  (fake / '__init__.py').write_text('')
+  (fake / 'train.py').write_text(
+      'import pathlib, time\npathlib.Path("started").touch()\ntime.sleep(120)\n')
+  # A shell whose command line holds 'trainer.train' (as the launch's remote
+  # `bash -c ...` does), running a real `python -m trainer.train` underneath.
+  shell = subprocess.Popen(
+      ['bash', '-c', f'{sys.executable} -m trainer.train & wait; echo shell survived'],
+      cwd=tmp_path / 'fake', start_new_session=True, stdout=subprocess.PIPE, text=True,
+      env={k: v for k, v in os.environ.items() if k != 'PYTHONPATH'})
+  try:
+    deadline = time.time() + 60
+    while not (tmp_path / 'fake' / 'started').exists() and time.time() < deadline:
+      time.sleep(0.05)
+    monkeypatch.setenv('TEST_SESSION', str(shell.pid))
+    monkeypatch.setenv('RUN_SSH', '1')
+    assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--stop']) == 0
+    out = shell.communicate(timeout=30)[0]
+  finally:
+    if shell.poll() is None:
+      os.killpg(shell.pid, 9)
+  assert shell.returncode == 0 and 'shell survived' in out  # the trainer alone got SIGTERM
