@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
 import itertools
 import json
 import os
@@ -210,6 +211,11 @@ def main(argv=None) -> int:
   args, overrides = parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # this process models; workers compile
   paths = [p.strip() for p in args.configs.split(',') if p.strip()]
+  writes_doc = not overrides and not args.topology and args.configs == ','.join(CONFIGS)
+  if writes_doc and importlib.util.find_spec('matplotlib') is None:
+    print("error: docs/calibration.png needs matplotlib: pip install -e '.[plot]'",
+          file=sys.stderr)
+    return 2
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     hlo_dir = args.hlo_dir or tmp
@@ -232,7 +238,7 @@ def main(argv=None) -> int:
       r.model(chip)
   out = [_record(r) for r in rows]
   print(json.dumps(out, indent=1) if args.json else '\n'.join(table(rows)))
-  if not overrides and not args.topology and args.configs == ','.join(CONFIGS):
+  if writes_doc:
     write_doc(rows, chip)
     print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)}', file=sys.stderr)
   worst = max(abs(r.modeled['error_points']) for r in rows)

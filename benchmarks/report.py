@@ -394,6 +394,9 @@ def main(argv=None) -> int:
                       help='with --only aot: re-measure these configs, keep the others')
   parser.add_argument('--default_run', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if not args.default_run and importlib.util.find_spec('matplotlib') is None:
+    print("error: the report's plots need matplotlib: pip install -e '.[plot]'", file=sys.stderr)
+    return 2
   if args.default_run:
     print(json.dumps(default_run()))
     return 0

@@ -424,7 +424,7 @@ def _import_torch_transformers():
     import transformers  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ConvertError(f'--check needs torch and transformers ({e}): '
-                       "pip install -e '.[test]'") from None
+                       "pip install -e '.[hf]'") from None
   transformers.logging.set_verbosity_error()
   return torch, transformers
 
@@ -548,7 +548,7 @@ def parse_args(argv):
   imp.add_argument('--scan_layers', action='store_true',
                    help='stack the blocks on a layers axis (model.scan_layers=True)')
   imp.add_argument('--check', action='store_true',
-                   help='compare logits with transformers first (needs .[test])')
+                   help='compare logits with transformers first (needs .[hf])')
   imp.add_argument('--dtype', default='float32', choices=DTYPES,
                    help='dtype of the written params')
   exp = sub.add_parser('hf-export', help='params checkpoint -> Hugging Face Llama')
