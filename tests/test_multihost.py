@@ -86,9 +86,10 @@ def test_a_locked_workdir_refuses_every_process(tmp_path):
     holder.kill()
     holder.wait()
   assert code != 0, out
-  for p in (0, 1):
-    assert f'[p{p}] error: {tmp_path / "run"} is in use by another run (pid {holder.pid}' in out
-  assert 'exited with status 2' in out
+  assert f'[p0] error: {tmp_path / "run"} is in use by another run (pid {holder.pid}' in out
+  # Process 1 says the same, unless the launcher stopped it first (it stops the
+  # others once one exits non-zero; under load that can come before its line).
+  assert 'Traceback' not in out and 'exited with status 2' in out
 
 
 def _children(pid: int) -> list[int]:

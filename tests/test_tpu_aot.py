@@ -63,5 +63,5 @@ def test_tpu_schedule_overlaps_our_permutes_with_einsums(kind):
 def test_each_tpu_chip_compiles_with_its_default_flags(chip):
   # An unknown or refused flag aborts libtpu: every chip's default set must be accepted.
   flags = hardware.compiler_flags(hardware.get_profile(chip))
-  hlo = _compile('always', 'ag', chip, flags)
+  hlo = _compile('unidirectional', 'ag', chip, flags)
   assert 'collective-permute-start' in hlo
