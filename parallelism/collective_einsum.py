@@ -81,7 +81,8 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     return Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}')
   if mode == 'auto':
     choice = estimate.best
-    reason = f'cost model ({estimate.hardware}) picks {choice}'
+    reason = f'cost model ({estimate.hardware}) picks {choice}' + (
+        ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
   else:
     choice, reason = mode, f'mode="{mode}"'
   return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,

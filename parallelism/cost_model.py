@@ -2,8 +2,18 @@
 
 For the decomposed axis of size N, per device:
 
-* ``T_comp``: the einsum's FLOPs on this device / peak FLOP/s; one ring step
-  computes ``c = T_comp / N``.
+* ``T_comp``: the einsum's time on this device, ``max(F / peak, B / HBM
+  bandwidth)`` with ``F`` its FLOPs and ``B`` the bytes it reads and writes;
+  one ring step takes ``c = max(F / N / peak, b / HBM bandwidth)``, where ``b``
+  is what one step reads and writes: its operand blocks and output part, plus,
+  where partial sums accumulate, the fp32 accumulator read and written again
+  every step (an all-gather over a contracted dim; a reduce-scatter's
+  accumulator, written, received and added). A ring whose steps are bound by
+  that traffic while the plain einsum is not loses to ``none`` (the same
+  max(FLOPs, bytes) rule as the step model, parallelism/step_model.py, and
+  the same hardware table; profiles without an HBM bandwidth, the CPU's, count
+  FLOPs only). Every operand's local size is taken as its global size over
+  all devices.
 * ``t``: one ring step's transfer in one direction, ``block bytes / (link
   bandwidth x ring links) + step latency``; the block is the gathered
   operand's local block (all-gathers) or a partial-sum block of the output in
@@ -55,6 +65,7 @@ class Estimate:
   step_compute_seconds: float  # c
   step_transfer_seconds: float  # t
   seconds: dict[str, float]
+  step_memory_bound: bool = False  # c is set by HBM traffic, not FLOPs
 
   @property
   def best(self) -> str:
@@ -74,6 +85,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   flops = 2 * math.prod(sizes.values()) / shards
   peak = profile.peak_flops or CPU_NOMINAL_FLOPS
   itemsize = jnp.dtype(dtype).itemsize
+  plain_bytes, step_bytes = _hbm_bytes(eq, plan, sizes, shards, n, itemsize)
   if plan.kind == 'reducescatter':
     # the accumulator travels in the compute dtype, or fp32 (parallelism.ring_dtype)
     block = math.prod(sizes[l] for l in eq.out) / shards * (max(itemsize, 4) if wire_fp32
@@ -81,8 +93,9 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   else:
     letters = eq.lhs if plan.gathered == 'lhs' else eq.rhs
     block = math.prod(sizes[l] for l in letters) / shards * itemsize
-  t_comp = flops / peak
-  c = t_comp / n
+  hbm = profile.hbm_bandwidth or math.inf
+  t_comp = max(flops / peak, plain_bytes / hbm)
+  c = max(flops / n / peak, step_bytes / hbm)
   t = block / (profile.link_bandwidth * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
   rounds = math.ceil((n - 1) / 2)
@@ -94,4 +107,28 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
     uni = t_comp + (n - 1) * (t + lat)
     bi = t_comp + t_comm + rounds * lat
   return Estimate(profile.name, plan.axis, n, t_comp, t_comm, c, t,
-                  {'none': t_comp + t_comm, 'unidirectional': uni, 'bidirectional': bi})
+                  {'none': t_comp + t_comm, 'unidirectional': uni, 'bidirectional': bi},
+                  step_bytes / hbm > flops / n / peak)
+
+
+def _hbm_bytes(eq: Equation, plan: AxisPlan, sizes: dict, shards: int, n: int,
+               itemsize: int) -> tuple[float, float]:
+  """(bytes the plain einsum reads and writes, bytes one ring step does), per device.
+
+  ``local(x)`` is an operand's block on one device; ``n`` the ring's size.
+  """
+  local = lambda letters: math.prod(sizes[l] for l in letters) / shards
+  lhs, rhs, out = local(eq.lhs), local(eq.rhs), local(eq.out)
+  acc = 4  # partial sums accumulate in fp32
+  if plan.kind == 'reducescatter':  # the unreduced output, then its reduce-scatter
+    owner, other = (lhs, rhs) if plan.out_letter in eq.lhs else (rhs, lhs)
+    plain = itemsize * (lhs + rhs) + acc * n * out
+    # a slice of the owner and the other operand; a partial sum written, then the
+    # arriving accumulator read, added and written
+    return plain, itemsize * (owner / n + other) + 3 * acc * out
+  g, o = (lhs, rhs) if plan.gathered == 'lhs' else (rhs, lhs)
+  plain = itemsize * (n * g + o + out)  # the gathered operand, whole
+  if plan.kind == 'allgather_free':  # a block, the other operand, a part of the output
+    return plain, itemsize * (g + o + out / n)
+  # allgather_contracting: a block and a slice of the other, the accumulator read and written
+  return plain, itemsize * (g + o / n) + 2 * acc * out

@@ -39,6 +39,7 @@ def rows(decisions: dict[str, Any]) -> list[dict]:
         'left_to_compiler': list(d.left_to_compiler),
         'modeled_step_compute_us': est and round(est.step_compute_seconds * 1e6, 3),
         'modeled_step_transfer_us': est and round(est.step_transfer_seconds * 1e6, 3),
+        'modeled_step_memory_bound': est and est.step_memory_bound,
         'modeled_seconds': est and est.seconds,
     })
   return out

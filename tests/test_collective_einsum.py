@@ -309,3 +309,27 @@ def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
   lat = 2e-6
   assert (est(True).step_transfer_seconds - lat) == pytest.approx(
       2 * (est(False).step_transfer_seconds - lat))
+
+
+def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
+  # All-gather over a contracted dim: every step reads and writes the fp32
+  # accumulator [b, f/8]; with d/8 = 512 contracted per step that traffic
+  # outlasts the step's matmul on v4 (1.2 TB/s against 275 TFLOP/s), so the ring
+  # loses to the plain einsum, which stays MXU-bound; contracting 8192 per step
+  # it is MXU-bound and wins.
+  mesh = _mesh(8, 1)
+  specs = dict(lhs_spec=P(None, T), rhs_spec=P(None, T), out_spec=P(None, T))
+  eq, plans = einsum_plan.plan('bd,df->bf', *specs.values())
+  plan = next(p for p in plans if p.axis == T)
+  assert plan.kind == 'allgather_contracting'
+  b, f = 8192, 65536
+  est = lambda d: cost_model.estimate(eq, plan, (b, d), (d, f), 'bfloat16', mesh, 'tpu_v4')
+  shallow, deep = est(4096), est(65536)
+  assert shallow.step_memory_bound and not deep.step_memory_bound
+  # per step: an x block and a w slice in bf16, the accumulator [b, f/8] read and written
+  step_bytes = 2 * (b * 4096 / 8 + 4096 * f / 64) + 2 * 4 * b * f / 8
+  assert shallow.step_compute_seconds == pytest.approx(step_bytes / 1.2e12)
+  assert shallow.step_compute_seconds > 1.5 * (2 * b * 4096 * f / 64 / 275e12)  # its FLOPs
+  pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
+                           hardware='tpu_v4').mode
+  assert pick(4096) == 'none' and pick(65536) != 'none'
