@@ -354,13 +354,16 @@ def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype,
     dim = (eq.lhs if on_lhs else eq.rhs).index(z)
     block = owner.shape[dim] // n
 
-    def partial(k):
-      piece = jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
+    def partial(*ks):  # one einsum for the output blocks ks, split after it
+      piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
+                               for k in ks], axis=dim)
       args = (piece, rhs) if on_lhs else (lhs, piece)
-      return jnp.einsum(str(eq), *args, preferred_element_type=acc_dtype)
+      out = jnp.einsum(str(eq), *args, preferred_element_type=acc_dtype)
+      return out if len(ks) == 1 else tuple(jnp.split(out, len(ks), axis=eq.out.index(z)))
 
     return ring.reduce_scatter_einsum(partial, axis=axis, n=n, idx=idx, split=split,
-                                      unroll=unroll, wire_dtype=wire).astype(dtype)
+                                      unroll=unroll, wire_dtype=wire,
+                                      partial_pair=partial).astype(dtype)
   g, o, g_letters, o_letters = ((lhs, rhs, eq.lhs, eq.rhs) if plan.gathered == 'lhs'
                                 else (rhs, lhs, eq.rhs, eq.lhs))
   local_eq = f'{g_letters},{o_letters}->{eq.out}'
@@ -372,6 +375,13 @@ def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype,
     out_shape = out_shape[:out_dim] + (m * n,) + out_shape[out_dim + 1:]
     acc = jax.lax.pcast(jnp.zeros(out_shape, dtype), manual, to='varying')
 
+    def consume_pair(acc, a, src_a, b, src_b):  # one einsum for both blocks
+      both = jnp.einsum(local_eq, jnp.concatenate([a, b], g_letters.index(x)), o,
+                        preferred_element_type=acc_dtype).astype(dtype)
+      part_a, part_b = jnp.split(both, 2, axis=out_dim)
+      acc = jax.lax.dynamic_update_slice_in_dim(acc, part_a, src_a * m, out_dim)
+      return jax.lax.dynamic_update_slice_in_dim(acc, part_b, src_b * m, out_dim)
+
     def consume(acc, block, src):
       part = jnp.einsum(local_eq, block, o, preferred_element_type=acc_dtype)
       return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), src * m, out_dim)
@@ -382,10 +392,15 @@ def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype,
         g, o).shape
     acc = jax.lax.pcast(jnp.zeros(out_shape, acc_dtype), manual, to='varying')
 
+    def consume_pair(acc, a, src_a, b, src_b):  # both blocks contracted in one einsum
+      pieces = [jax.lax.dynamic_slice_in_dim(o, s * m, m, o_dim) for s in (src_a, src_b)]
+      return acc + jnp.einsum(local_eq, jnp.concatenate([a, b], g_letters.index(x)),
+                              jnp.concatenate(pieces, o_dim), preferred_element_type=acc_dtype)
+
     def consume(acc, block, src):
       piece = jax.lax.dynamic_slice_in_dim(o, src * m, m, o_dim)
       return acc + jnp.einsum(local_eq, block, piece, preferred_element_type=acc_dtype)
 
   out = ring.all_gather_einsum(g, consume, acc, axis=axis, n=n, idx=idx, split=split,
-                               unroll=unroll)
+                               unroll=unroll, consume_pair=consume_pair)
   return out.astype(dtype)

@@ -53,12 +53,17 @@ def _loop(lo: int, hi: int, body, carry, unroll: int | bool):
 
 
 def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n: int,
-                      idx: jax.Array, split: tuple[int, int], unroll: int = 1):
+                      idx: jax.Array, split: tuple[int, int], unroll: int = 1,
+                      consume_pair: Callable | None = None):
   """Folds every device's ``shard`` into ``acc`` without an all-gather.
 
   ``consume(acc, block, src)`` folds in the block that device ``src`` holds
-  (writes an einsum at its offset, or adds a partial sum).
+  (writes an einsum at its offset, or adds a partial sum). A bidirectional
+  step holds two blocks; ``consume_pair(acc, a, src_a, b, src_b)`` folds both
+  with one einsum (as XLA's windowed einsum does), else ``consume`` runs twice.
   """
+  if consume_pair is None:
+    consume_pair = lambda acc, a, sa, b, sb: consume(consume(acc, a, sa), b, sb)
   n_right, n_left = split
   at = lambda s: (idx + s) % n
   acc = consume(acc, shard, idx)
@@ -70,18 +75,22 @@ def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n:
   def both(s, carry):  # blocks idx+s and idx-s in hand; fetch the next two
     acc, right, left = carry
     nxt_r, nxt_l = recv_from(right, axis, n, +1), recv_from(left, axis, n, -1)
-    acc = consume(consume(acc, right, at(s)), left, at(-s))
-    return acc, nxt_r, nxt_l
+    return consume_pair(acc, right, at(s), left, at(-s)), nxt_r, nxt_l
 
   def right_only(s, carry):
     acc, right = carry
     nxt = recv_from(right, axis, n, +1)
     return consume(acc, right, at(s)), nxt
 
+  start = 1
   if n_left:
     acc, right, left = _loop(1, n_left, both, (acc, right, left), unroll)
-    acc = consume(acc, left, at(-n_left))
-  acc, right = _loop(max(n_left, 1), n_right, right_only, (acc, right), unroll)
+    if n_right == n_left:  # the last round holds blocks +-n_left: one einsum
+      return consume_pair(acc, right, at(n_left), left, at(-n_left))
+    nxt = recv_from(right, axis, n, +1)  # block n_left + 1; no more from the left
+    acc, right = consume_pair(acc, right, at(n_left), left, at(-n_left)), nxt
+    start = n_left + 1
+  acc, right = _loop(start, n_right, right_only, (acc, right), unroll)
   return consume(acc, right, at(n_right))
 
 
@@ -96,20 +105,23 @@ def _unfused(x: jax.Array) -> jax.Array:
 
 def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
                           split: tuple[int, int], unroll: int = 1,
-                          wire_dtype=None) -> jax.Array:
+                          wire_dtype=None, partial_pair: Callable | None = None) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k)`` is this device's contribution to output block k. Accumulators
   travel the ring and each device adds its contribution as one passes; the
   contribution for the next step does not depend on the transfer in flight.
   With ``wire_dtype`` (e.g. bf16) an accumulator travels in that dtype and is
-  added in its own (fp32) on each device: half the bytes per step.
+  added in its own (fp32) on each device: half the bytes per step. A
+  bidirectional step computes two contributions; ``partial_pair(k1, k2)``
+  gives both from one einsum, else ``partial`` runs twice.
   """
+  if partial_pair is None:
+    partial_pair = lambda k1, k2: (partial(k1), partial(k2))
   n_right, n_left = split
   at = lambda s: (idx + s) % n
   if n == 1:
     return partial(idx)
-  acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
 
   def recv(acc, offset):
     wire = acc if wire_dtype is None else acc.astype(wire_dtype)
@@ -118,14 +130,17 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   def step_r(s, acc_r):
     return recv(acc_r, -1) + _unfused(partial(at(n_right - s)))
 
-  if n_left:
-    acc_l = partial(at(-n_left))  # moves left: n_left hops to its owner
+  if n_left:  # accumulators that move right (n_right hops) and left (n_left hops)
+    acc_r, acc_l = partial_pair(at(n_right), at(-n_left))
 
     def both(s, carry):
       acc_r, acc_l = carry
-      return step_r(s, acc_r), recv(acc_l, +1) + _unfused(partial(at(s - n_left)))
+      mine_r, mine_l = _unfused(partial_pair(at(n_right - s), at(s - n_left)))
+      return recv(acc_r, -1) + mine_r, recv(acc_l, +1) + mine_l
 
     acc_r, acc_l = _loop(1, n_left, both, (acc_r, acc_l), unroll)
+  else:
+    acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
   out = recv(acc_r, -1) + partial(idx)
   if n_left:

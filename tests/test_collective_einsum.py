@@ -96,8 +96,9 @@ def test_matches_plain_einsum(pattern, tensor, dtype, mode, unroll, base):
 
 # ----------------------------------------------------------------- HLO checks
 
-def _executed_permutes(hlo: str) -> int:
-  """collective-permutes executed by a compiled module: loop bodies x trip counts."""
+def _executed_permutes(hlo: str, op: str = r'collective-permute(-start)?\(') -> int:
+  """Instructions matching ``op`` (collective-permutes) a compiled module executes:
+  loop bodies x trip counts."""
   comps, name = {}, None
   for line in hlo.splitlines():
     m = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
@@ -111,7 +112,7 @@ def _executed_permutes(hlo: str) -> int:
   def count(comp):
     total = 0
     for line in comps.get(comp, ()):
-      if re.search(r'collective-permute(-start)?\(', line):
+      if re.search(op, line):
         total += 1
       for callee in re.findall(r'(?:to_apply|calls)=%?([\w.\-]+)', line):
         total += count(callee)
@@ -333,3 +334,20 @@ def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
                            hardware='tpu_v4').mode
   assert pick(4096) == 'none' and pick(65536) != 'none'
+
+
+@pytest.mark.parametrize('pattern', [p for p in PATTERNS if p[0] in ('btd,df->btf', 'bf,fd->bd')],
+                         ids=lambda p: p[4])
+def test_bidirectional_rings_run_one_einsum_per_step(pattern):
+  # Both halves of a round go through one einsum (as XLA's windowed einsum does):
+  # 1 + ceil((N-1)/2) einsums for N = 8 instead of N.
+  eq, ls, rs, os_, _ = pattern
+  mesh = _mesh(8, 1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
+  args = [jnp.ones(s, jnp.float32) for s in (lhs_shape, rhs_shape)]
+  counts = {}
+  for mode in ('unidirectional', 'bidirectional'):
+    f = jax.jit(lambda x, w, m=mode: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls,
+                                                       rhs_spec=rs, out_spec=os_, mode=m))
+    counts[mode] = _executed_permutes(f.lower(*args).compile().as_text(), r' dot\(')
+  assert counts == {'unidirectional': 8, 'bidirectional': 5}
