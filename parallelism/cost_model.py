@@ -18,8 +18,10 @@ For the decomposed axis of size N, per device:
   bandwidth x ring links) + step latency``; the block is the gathered
   operand's local block (all-gathers) or a partial-sum block of the output in
   the accumulation dtype (reduce-scatter).
-* The compiler's own collective uses both directions of the ring:
-  ``T_comm = (N-1) (t - latency) / 2 + (N-1) latency``.
+* The compiler's own collective: the step model's formula for a collective
+  (``step_model.ring_collective_seconds``: both directions of the ring, the axis
+  taken as one torus dimension), ``T_comm = (N-1) (t - latency) / 2 +
+  ceil((N-1)/2) latency``.
 
 Predicted times (all modeled, not measured):
 
@@ -47,7 +49,7 @@ import math
 
 import jax.numpy as jnp
 
-from parallelism import hardware as hw
+from parallelism import hardware as hw, step_model
 from parallelism.einsum_plan import AxisPlan, Equation
 
 DEFAULT_HARDWARE = 'cpu'
@@ -96,10 +98,11 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   hbm = profile.hbm_bandwidth or math.inf
   t_comp = max(flops / peak, plain_bytes / hbm)
   c = max(flops / n / peak, step_bytes / hbm)
-  t = block / (profile.link_bandwidth * profile.ring_links) + profile.step_latency
+  link = profile.link_bandwidth * step_model.LINK_EFFICIENCY
+  t = block / (link * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
   rounds = math.ceil((n - 1) / 2)
-  t_comm = (n - 1) * ((t - lat) / 2 + lat)
+  t_comm = step_model.ring_collective_seconds(n * block, [n], link, profile.ring_links, lat)
   if profile.async_collectives:
     uni = c + (n - 1) * (max(c, t) + lat)
     bi = c + rounds * (max(2 * c, t) + lat)

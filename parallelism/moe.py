@@ -18,7 +18,9 @@ Modeled time (``estimate``), per device, with ``B`` the bytes of one device's
 dispatched tokens, ``n`` the expert-axis size and ``T_c`` the expert FLOPs over
 peak:
 
-* one all-to-all: ``a = B (n-1)/n / (link bandwidth x links) + latency``;
+* one all-to-all: ``a``, the step model's formula for a collective
+  (``step_model.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
+  the ring, the expert axis taken as one torus dimension, plus its latency);
 * ``single``: ``2a + T_c``;
 * ``chunked`` with C chunks, asynchronous collectives: a three-stage pipeline
   whose link is shared by both exchanges,
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallelism import hardware as hw
+from parallelism import hardware as hw, step_model
 from parallelism.cost_model import CPU_NOMINAL_FLOPS
 
 
@@ -55,8 +57,10 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
              chunks: int, hardware: str) -> dict[str, float]:
   """Modeled seconds of ``single`` and ``chunked`` (see the module docstring)."""
   profile = hw.get_profile(hardware)
-  link = profile.link_bandwidth * profile.ring_links
-  a = math.prod(shape_becd) * itemsize / devices * (n - 1) / n / link + profile.step_latency
+  a = step_model.ring_collective_seconds(
+      math.prod(shape_becd) * itemsize / devices, [n],
+      profile.link_bandwidth * step_model.LINK_EFFICIENCY, profile.ring_links,
+      profile.step_latency)
   t_c = expert_flops / devices / (profile.peak_flops or CPU_NOMINAL_FLOPS)
   single = 2 * a + t_c
   extra = 2 * (chunks - 1) * profile.step_latency

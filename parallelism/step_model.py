@@ -332,12 +332,28 @@ def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: 
   g = len(group)
   if g < 2:
     return 0.0
-  extents = _span(group, coords)
-  links = 2 * chip.ring_links * max(1, len(extents))
-  steps = sum(math.ceil((n - 1) / 2) for n in extents)
   moved = {'all-gather': out_bytes if not ins.opcode.endswith('-start') else g * in_bytes,
            'reduce-scatter': in_bytes, 'all-reduce': 2 * in_bytes}.get(kind, in_bytes)
-  return moved * (g - 1) / g / (links * chip.link_rate) + steps * chip.step_latency
+  return ring_collective_seconds(moved, _span(group, coords), chip.link_rate, chip.ring_links,
+                                 chip.step_latency)
+
+
+def ring_collective_seconds(moved: float, extents, link_rate: float, ring_links: int,
+                            latency: float) -> float:
+  """A collective over a group spanning torus dimensions of ``extents`` chips.
+
+  ``(G-1)/G`` of ``moved`` bytes cross links: both directions of the ring in
+  every spanned dimension, ``ring_links`` per direction, ``link_rate`` bytes/s
+  each; plus ``latency`` per sequential step, ``ceil((n-1)/2)`` per dimension.
+  The one formula for collectives: the step model, the collective-einsum cost
+  model (the compiler's collective of ``none``) and the MoE all-to-all use it.
+  """
+  g = math.prod(extents)
+  if g < 2:
+    return 0.0
+  links = 2 * ring_links * max(1, len(extents))
+  steps = sum(math.ceil((n - 1) / 2) for n in extents)
+  return moved * (g - 1) / g / (links * link_rate) + steps * latency
 
 
 # ---- the schedule -----------------------------------------------------------------

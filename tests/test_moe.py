@@ -172,7 +172,9 @@ def test_exchange_cost_model_and_auto_choice(devices):
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12  # [batch, exp, capacity, embed]
   tpu = hardware.get_profile('tpu_v4')
-  a = (math.prod(shape) * itemsize / 8 * 3 / 4 / tpu.link_bandwidth + tpu.step_latency)
+  # 3/4 of a device's bytes over both ring directions, 2 sequential steps of latency
+  a = (math.prod(shape) * itemsize / 8 * 3 / 4 / (2 * tpu.link_bandwidth)
+       + 2 * tpu.step_latency)
   t_c = flops / 8 / tpu.peak_flops
   seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, 'tpu_v4')
   np.testing.assert_allclose(seconds['single'], 2 * a + t_c)
@@ -183,3 +185,16 @@ def test_exchange_cost_model_and_auto_choice(devices):
   assert auto('cpu').mode == 'single'      # synchronous copies: chunking only adds steps
   assert moe_lib.decide(shape, itemsize, flops, mesh, None, 2, 'always', 'cpu').reason == (
       'no expert parallelism: no all-to-all')
+
+
+def test_exchange_cost_agrees_with_the_step_model():
+  """The all-to-all term of the MoE cost model is the step model's, for the same bytes."""
+  from parallelism import hlo_text, moe as moe_lib, step_model  # pylint: disable=import-outside-toplevel
+  shape, itemsize = (64, 8, 128, 1024), 2
+  per_device = math.prod(shape) * itemsize // 8
+  ins = hlo_text.parse_instr(f'  %a2a = bf16[{per_device // 2}]{{0}} all-to-all(%x), '
+                             'replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}')
+  chip = step_model.Chip.from_profile('tpu_v4')
+  a = step_model.collective_seconds(ins, per_device, chip, 8)
+  seconds = moe_lib.estimate(shape, itemsize, 0.0, 8, 4, 1, 'tpu_v4')
+  np.testing.assert_allclose(seconds['single'], 2 * a)
