@@ -113,6 +113,11 @@ def parse_args(argv):
   parser.add_argument('--json', action='store_true', help='print one JSON object')
   parser.add_argument('--hlo_dir', default=None,
                       help='also write each variant\'s scheduled TPU HLO here')
+  parser.add_argument('--search', action='store_true',
+                      help='sweep layouts (mesh, tokens per chip, remat) for the slice: '
+                           'prune by estimated memory, compile the best (launch/search.py)')
+  parser.add_argument('--max_compiles', type=int, default=6,
+                      help='with --search: layouts to compile (default 6)')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--flag_set', default='', help=argparse.SUPPRESS)
@@ -396,6 +401,29 @@ def main(argv=None) -> int:
   if importlib.util.find_spec('libtpu') is None:
     print(f'error: libtpu (the TPU compiler) is not installed: {INSTALL_HINT}', file=sys.stderr)
     return 2
+  if args.search:
+    from launch import search  # pylint: disable=g-import-not-at-top
+    if args.max_compiles < 1:
+      print(f'error: --max_compiles {args.max_compiles} is not positive', file=sys.stderr)
+      return 2
+
+    def compile_layout(extra):
+      cfg_l, _, _, _, _, info_l = load(args, overrides + extra)
+      results = compile_variants(args, overrides + extra, cfg_l, topology, chip, variants)
+      return None if isinstance(results, int) else summarize(
+          cfg_l, args.config, topology, chip, chips, info_l, results)
+    return search.run(args, overrides, cfg, topology, chip, chips, variants, compile_layout)
+  results = compile_variants(args, overrides, cfg, topology, chip, variants)
+  if isinstance(results, int):
+    return results
+  s = summarize(cfg, args.config, topology, chip, chips, info, results)
+  print(json.dumps(s, indent=1) if args.json else text_report(s))
+  return 0
+
+
+def compile_variants(args, overrides, cfg, topology, chip, variants) -> dict | int:
+  """Compiles each variant in its own process, with progress: the results, or the
+  exit status after a failure (2: the compiler refused the input, 1: it failed)."""
   results = {}
   for i, name in enumerate(variants):
     print(f'[{i + 1}/{len(variants)}] {name}: compiling for {topology} in a subprocess '
@@ -412,9 +440,7 @@ def main(argv=None) -> int:
           + (f"{_gib(m['total'])} GiB per chip" if 'total' in m else 'out of memory')
           + (f'; modeled step {step:.3f} s' if step else ''), file=sys.stderr, flush=True)
     results[name] = r
-  s = summarize(cfg, args.config, topology, chip, chips, info, results)
-  print(json.dumps(s, indent=1) if args.json else text_report(s))
-  return 0
+  return results
 
 
 if __name__ == '__main__':

@@ -86,3 +86,39 @@ def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
     assert m['step_seconds'] > 0 and 0 < m['mfu'] < 1 and m['warnings'] == []
   assert s['modeled']['baseline']['speedup_vs_baseline'] == 1
   assert '[2/2] ours: done' in proc.stderr
+
+
+def test_search_grid_prunes_by_checks_and_memory():
+  from launch import search  # pylint: disable=import-outside-toplevel
+  from trainer import config as config_lib  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'), [])
+  profile, chips = aot.parse_topology('v4:8x8x16')
+  grid = search.grid(cfg, chips)
+  assert all(l.data * l.fsdp * l.tensor == chips and l.tensor <= 16 for l in grid)
+  assert {l.remat for l in grid} == {'full', 'minimal'} and len(grid) == 120
+  skipped = []
+  kept = search.candidates(cfg, chips, profile, skipped.append)
+  assert kept and len(kept) + len(skipped) == len(grid)
+  assert all(e <= profile.usable_hbm_bytes for _, e, _ in kept)
+  assert any('GiB per chip >' in s for s in skipped)  # the memory estimate prunes
+  assert any('not divisible' in s or 'not a multiple' in s for s in skipped)  # the checks too
+  mfus = [round(m, 3) for _, _, m in kept]  # ties: more tokens per chip first
+  assert mfus == sorted(mfus, reverse=True) and all(0 < m < 1 for m in mfus)
+
+
+def test_search_refuses_a_bad_compile_budget(capsys, monkeypatch):
+  monkeypatch.setattr(aot.importlib.util, 'find_spec', lambda name: True)
+  assert aot.main(['--config', DENSE_10B, '--search', '--max_compiles', '0']) == 2
+  assert '--max_compiles 0' in _error_line(capsys)
+
+
+@needs_libtpu
+def test_search_compiles_the_best_layouts_and_names_the_best():
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  proc = subprocess.run(
+      [sys.executable, '-m', 'launch.aot', '--config', DENSE_10B, '--topology', 'v4:2x2x2',
+       '--search', '--max_compiles', '1', '--variants', 'baseline'] + SMALL,
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'layouts in the grid' in proc.stderr and '[1/1] data=' in proc.stderr
+  assert 'baseline MFU' in proc.stdout and 'best for baseline: data=' in proc.stdout

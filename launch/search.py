@@ -1,0 +1,177 @@
+r"""Layout search for a TPU slice: ``python -m launch.aot --config X --search``.
+
+Sweeps a bounded grid of layouts for the config's model on the slice:
+
+* mesh sizes ``data x fsdp x tensor`` covering the chips (tensor and data
+  powers of two, tensor at most 16, data at most 8);
+* tokens per chip: the config's batch, half and twice it;
+* remat: ``full`` and ``minimal``.
+
+Candidates the layout checks refuse (divisibility, as the trainer checks) are
+dropped; the rest get an **estimate** of their memory per chip (below) and are
+dropped when it is above the chip's usable HBM. The survivors are ranked by an
+analytical MFU (``modeled_mfu``: matmul time at peak with remat's recompute,
+overlapped with FSDP transfers, plus tensor-parallel activation transfers)
+and the best ``--max_compiles`` are compiled, each variant in its own process
+as ``launch.aot`` does, so a 500B search stays within about two hours on a
+2-core machine. Prints progress, then one table (layout, estimated and
+compiled GiB per chip, fit, modeled MFU of each variant) and the best layout
+per variant. Everything but the compiler's memory figures is modeled.
+
+Memory estimate per chip (bytes): parameters with AdamW moments and the
+gradient, ``16 N / (fsdp x tensor)``; saved activations, per layer and per
+token of a model-parallel group, ``2 d / tensor`` under ``full`` (the block's
+input, sequence-parallel) and ``2 (q + k + v + o + 2 mlp + d) / tensor`` under
+``minimal`` (the projections' outputs); one layer's working set, four times
+the larger of its MLP and attention activations; and the fp32 attention
+logits of one layer, ``3 x 4 heads/tensor x seq^2`` per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import sys
+
+from parallelism import hardware, step_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  data: int
+  fsdp: int
+  tensor: int
+  batch_size: int
+  remat: str
+
+  @property
+  def overrides(self) -> list[str]:
+    return [f'--config.mesh.data={self.data}', f'--config.mesh.fsdp={self.fsdp}',
+            f'--config.mesh.tensor={self.tensor}', f'--config.batch_size={self.batch_size}',
+            f'--config.model.remat={self.remat}', '--config.mesh.expert=1']
+
+  def __str__(self) -> str:
+    return (f'data={self.data} fsdp={self.fsdp} tensor={self.tensor} '
+            f'batch={self.batch_size} remat={self.remat}')
+
+
+def grid(cfg, chips: int) -> list[Layout]:
+  """Every layout of the bounded grid for ``chips`` (unchecked)."""
+  powers = [2 ** i for i in range(int(math.log2(chips)) + 1)]
+  batches = sorted({max(1, int(cfg.batch_size * f)) for f in (0.5, 1, 2)})
+  out = []
+  for tensor, data in itertools.product([p for p in powers if p <= 16],
+                                        [p for p in powers if p <= 8]):
+    if chips % (tensor * data):
+      continue
+    for batch, remat in itertools.product(batches, ('full', 'minimal')):
+      out.append(Layout(data, chips // (tensor * data), tensor, batch, remat))
+  return out
+
+
+def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int) -> float:
+  """Bytes per chip (the module docstring's formula; an estimate, not the compiler's)."""
+  m, t = model_cfg, layout.tensor
+  state = 16 * params / (layout.fsdp * t)
+  tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
+  heads = m.num_heads * m.head_dim
+  kv = m.num_kv_heads * m.head_dim
+  per_token = 2 * (m.d_model if layout.remat == 'full' else
+                   2 * heads + 2 * kv + 2 * m.mlp_dim + m.d_model) / t
+  working = 4 * 2 * tokens * max(m.mlp_dim, heads + 2 * kv) / t
+  logits = 3 * 4 * (m.num_heads / t) * seq_len ** 2 * layout.batch_size / (
+      layout.data * layout.fsdp)
+  return state + m.num_layers * tokens * per_token + working + logits
+
+
+def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chips: int,
+                seq_len: int, profile: hardware.HardwareProfile) -> float:
+  """An analytical MFU to rank candidates: matmuls at peak with remat's recompute,
+  overlapped with the FSDP weight gathers and gradient reduce-scatters (bf16
+  weights, three passes), plus tensor-parallel activation transfers (4 per layer
+  forward, twice that backward), which nothing overlaps in the baseline."""
+  recompute = {'full': 4 / 3, 'minimal': 1.05}[layout.remat]
+  compute = model_flops * recompute / (chips * profile.peak_flops)
+  ring = lambda moved, n: step_model.ring_collective_seconds(
+      moved, [n], profile.link_bandwidth, profile.ring_links, profile.step_latency)
+  fsdp = ring(3 * 2 * params / layout.tensor, layout.fsdp)
+  tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
+  tp = ring(12 * model_cfg.num_layers * tokens * model_cfg.d_model * 2, layout.tensor)
+  return model_flops / (chips * profile.peak_flops * (max(compute, fsdp) + tp))
+
+
+def candidates(cfg, chips: int, profile, progress=print) -> list[tuple[Layout, float, float]]:
+  """(layout, estimated bytes per chip, analytical MFU) of the layouts worth compiling,
+  best first."""
+  # pylint: disable=g-import-not-at-top
+  from models.transformer import count_params
+  from trainer import metrics, train
+  kept = []
+  for layout in grid(cfg, chips):
+    trial = cfg.copy_and_resolve_references()
+    trial.mesh.data, trial.mesh.fsdp, trial.mesh.tensor = layout.data, layout.fsdp, layout.tensor
+    trial.mesh.expert = 1
+    trial.batch_size, trial.model.remat = layout.batch_size, layout.remat
+    mesh_shape = {'data': layout.data, 'fsdp': layout.fsdp, 'tensor': layout.tensor,
+                  'expert': 1}
+    try:
+      model_cfg, params = train.check_layout(trial, mesh_shape)
+    except ValueError as e:
+      progress(f'  skip {layout}: {str(e).splitlines()[0]}')
+      continue
+    n = count_params(params)
+    estimate = memory_estimate(model_cfg, n, layout, cfg.seq_len)
+    if estimate > profile.usable_hbm_bytes:
+      progress(f'  skip {layout}: estimated {estimate / 2**30:.1f} GiB per chip > '
+               f'{profile.usable_hbm_bytes / 2**30:.2f} usable')
+      continue
+    flops = metrics.flops_per_token(model_cfg, cfg.seq_len) * layout.batch_size * cfg.seq_len
+    kept.append((layout, estimate, modeled_mfu(model_cfg, n, flops, layout, chips,
+                                               cfg.seq_len, profile)))
+  return sorted(kept, key=lambda c: (-round(c[2], 3), -c[0].batch_size / c[0].data))
+
+
+def run(args, overrides, cfg, topology: str, profile, chips: int, variants: list[str],
+        compile_layout) -> int:
+  """The search: prune, compile the best ``args.max_compiles``, print the table."""
+  progress = lambda msg: print(msg, file=sys.stderr, flush=True)
+  progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
+  kept = candidates(cfg, chips, profile, progress)
+  chosen = kept[:args.max_compiles]
+  progress(f'{len(kept)} pass the checks and the memory estimate; compiling the best '
+           f'{len(chosen)} by analytical MFU, {len(variants)} variant(s) each')
+  rows = []
+  for i, (layout, estimate, mfu) in enumerate(chosen):
+    progress(f'[{i + 1}/{len(chosen)}] {layout} (estimated {estimate / 2**30:.1f} GiB, '
+             f'analytical MFU {mfu:.1%})')
+    summary = compile_layout(layout.overrides)
+    rows.append((layout, estimate, mfu, summary))
+  print(table(rows, variants))
+  return 0
+
+
+def table(rows, variants) -> str:
+  head = ['layout', 'est GiB', 'GiB/chip', 'fit'] + [f'{v} MFU' for v in variants]
+  lines, best = [], {}
+  for layout, estimate, _, s in rows:
+    if s is None:
+      lines.append([str(layout), f'{estimate / 2**30:.1f}', '-', 'compile failed'] +
+                   ['-'] * len(variants))
+      continue
+    mem = next(iter(s['variants'].values()))['memory']
+    cells = [str(layout), f'{estimate / 2**30:.1f}',
+             f"{mem['total'] / 2**30:.1f}" if 'total' in mem else '-', mem['fit']]
+    for v in variants:
+      mfu = s['modeled'].get(v, {}).get('mfu')
+      cells.append(f'{mfu:.1%}' if mfu else '-')
+      if mfu and mem['fit'] == 'FITS' and mfu > best.get(v, (0, None))[0]:
+        best[v] = (mfu, layout)
+    lines.append(cells)
+  widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
+  out = ['  '.join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + lines]
+  out.append('(modeled MFU: the step model over each compiled program; not measured)')
+  for v, (mfu, layout) in best.items():
+    out.append(f'best for {v}: {layout} ({mfu:.1%} modeled MFU)')
+  return '\n'.join(out)
+
