@@ -44,6 +44,10 @@ class Decision:
   left_to_compiler: tuple[str, ...]  # other axes that need a collective
   estimate: cost_model.Estimate | None
   reason: str
+  # How the gradients of (lhs, rhs) run when decomposed: 'ring' (the transposed
+  # einsum decomposed over the same axis) or 'none' (one einsum over an operand the
+  # compiler gathers once: auto's choice where the ring's steps would be HBM-bound).
+  backward: tuple[str, str] = ('ring', 'ring')
 
 
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
@@ -79,14 +83,44 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     if mode != 'auto':
       raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
     return Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}')
+  backward = ('ring', 'ring')
   if mode == 'auto':
     choice = estimate.best
     reason = f'cost model ({estimate.hardware}) picks {choice}' + (
         ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
+    if choice != 'none':
+      backward = _backward_forms(eq, chosen.axis, choice, (lhs_shape, rhs_shape),
+                                 (lhs_spec, rhs_spec, out_spec), dtype, mesh, hardware, wire_fp32)
+      if 'none' in backward:
+        reason += '; gradient of ' + ' and '.join(
+            w for w, f in zip(('lhs', 'rhs'), backward) if f == 'none') + \
+            ' as one einsum (its ring would be slower)'
   else:
     choice, reason = mode, f'mode="{mode}"'
   return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,
-                  others, estimate, reason)
+                  others, estimate, reason, backward)
+
+
+def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, mesh, hardware,
+                    wire_fp32) -> tuple[str, str]:
+  """'ring' or 'none' for the gradient einsums of lhs and rhs, by the cost model."""
+  sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
+  out_shape = tuple(sizes[l] for l in eq.out)
+  lhs_spec, rhs_spec, out_spec = specs
+  transposed = {'lhs': (f'{eq.out},{eq.rhs}->{eq.lhs}', (out_spec, rhs_spec, lhs_spec),
+                        (out_shape, shapes[1])),
+                'rhs': (f'{eq.lhs},{eq.out}->{eq.rhs}', (lhs_spec, out_spec, rhs_spec),
+                        (shapes[0], out_shape))}
+  forms = []
+  for equation, (a, b, o), (sa, sb) in transposed.values():
+    t_eq, plans = einsum_plan.plan(equation, a, b, o)
+    plan = next((p for p in plans if p.axis == axis), None)
+    if plan is None or plan.kind not in DECOMPOSABLE:
+      forms.append('ring')  # the compiler's collective either way (_transpose_einsum)
+      continue
+    est = cost_model.estimate(t_eq, plan, sa, sb, dtype, mesh, hardware, wire_fp32=wire_fp32)
+    forms.append('ring' if est.seconds[mode] <= est.seconds['none'] else 'none')
+  return tuple(forms)
 
 
 def _choose_axis(eq, candidates, lhs_shape, rhs_shape, dtype, mesh, hardware,
@@ -163,7 +197,8 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
   else:
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
-                  decision.mode == 'bidirectional', unroll, ring_dtype == 'float32')
+                  decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
+                  decision.backward)
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 
@@ -183,6 +218,7 @@ class _Static:
   bidirectional: bool
   unroll: int
   wire_fp32: bool = False  # reduce-scatter accumulators travel in fp32
+  backward: tuple[str, str] = ('ring', 'ring')  # Decision.backward
 
   def transposed(self, which: str) -> '_Static':
     """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs')."""
@@ -208,8 +244,8 @@ def _decomposed_fwd(cfg, lhs, rhs):
 
 def _decomposed_bwd(cfg, residuals, g):
   lhs, rhs = residuals
-  d_lhs = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype)
-  d_rhs = _transpose_einsum(cfg.transposed('rhs'), lhs, g, rhs.dtype)
+  d_lhs = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, cfg.backward[0])
+  d_rhs = _transpose_einsum(cfg.transposed('rhs'), lhs, g, rhs.dtype, cfg.backward[1])
   return d_lhs, d_rhs
 
 
@@ -221,10 +257,11 @@ def _axis_plan(cfg: _Static) -> tuple[Equation, AxisPlan]:
   return eq, next(p for p in plans if p.axis == cfg.axis)
 
 
-def _transpose_einsum(cfg: _Static, a, b, dtype):
-  """A gradient einsum, decomposed over the same axis when its pattern allows."""
+def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring'):
+  """A gradient einsum, decomposed over the same axis when its pattern allows and
+  ``form`` is 'ring'; else one einsum over what the compiler gathers."""
   eq, plan = _axis_plan(cfg)
-  if plan.kind in DECOMPOSABLE:
+  if plan.kind in DECOMPOSABLE and form == 'ring':
     out = _ring_einsum(cfg, a, b)
   else:  # e.g. an all-reduce: the compiler's collective
     out = jnp.einsum(str(eq), a, b, preferred_element_type=_acc(dtype))

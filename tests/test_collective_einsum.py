@@ -1,5 +1,6 @@
 """Decomposed collective einsums: values, gradients, HLO structure, cost model."""
 
+import dataclasses
 import functools
 import re
 
@@ -351,3 +352,36 @@ def test_bidirectional_rings_run_one_einsum_per_step(pattern):
                                                        rhs_spec=rs, out_spec=os_, mode=m))
     counts[mode] = _executed_permutes(f.lower(*args).compile().as_text(), r' dot\(')
   assert counts == {'unidirectional': 8, 'bidirectional': 5}
+
+
+def test_weight_gradient_is_one_einsum_where_its_ring_would_be_memory_bound():
+  # x [b, t, d] over (data, tensor) on (b, t), w [d, f] over tensor on f. The forward
+  # gathers 512-token blocks; the weight gradient's ring would add each block's
+  # product into an fp32 [d, f/8] accumulator, HBM-bound on v4 at these widths:
+  # auto keeps the forward ring and computes that gradient as one einsum.
+  eq, ls, rs, os_, _ = PATTERNS[0]
+  mesh = _mesh(8, 1)
+  d = explain(eq, (1, 4096, 8192), (8192, 65536), 'bfloat16', mesh=mesh, lhs_spec=ls,
+              rhs_spec=rs, out_spec=os_, hardware='tpu_v4')
+  assert d.mode != 'none' and d.backward == ('ring', 'none'), d
+  assert 'gradient of rhs as one einsum' in d.reason
+  # Values and gradients with that form, on small arrays.
+  from parallelism.collective_einsum import run_decision  # pylint: disable=import-outside-toplevel
+  lhs = jax.random.normal(jax.random.key(0), (2, 16, 8))
+  rhs = jax.random.normal(jax.random.key(1), (8, 16))
+  small = explain(eq, lhs.shape, rhs.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                  out_spec=os_, mode='unidirectional')
+  forced = dataclasses.replace(small, backward=('ring', 'none'))
+  f = lambda x, w: run_decision(forced, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                out_spec=os_)
+  loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights((2, 16, 16)))
+  grad = jax.jit(jax.grad(loss(f), argnums=(0, 1)))
+  got = grad(lhs, rhs)
+  want = jax.grad(loss(lambda x, w: jnp.einsum(eq, x, w)), argnums=(0, 1))(lhs, rhs)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  ring = lambda x, w: run_decision(small, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                   out_spec=os_)
+  permutes = lambda fn: _executed_permutes(
+      jax.jit(jax.grad(loss(fn), argnums=(0, 1))).lower(lhs, rhs).compile().as_text())
+  assert permutes(f) == permutes(ring) - 7  # the weight gradient's ring is gone
