@@ -33,6 +33,9 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     # a named chip the devices are not (this machine's CPU): trained with mfu 0.00% before
     (['--config.hardware.name=h100'],
      "hardware.name='h100' does not match the devices (8 x 'cpu', which are cpu)"),
+    (['--config.model.attention=cudnn'],
+     "model.attention='cudnn' runs on an NVIDIA GPU, this run is on the cpu"),
+    (['--config.model.attention=flash'], "model.attention='flash' is not one of"),
     (['--config.model.num_kv_heads=3'], 'num_kv_heads=3'),
     (['--config.steps=0'], 'steps=0 must be at least 1'),
     (['--config.model.num_kv_heads=2'], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),

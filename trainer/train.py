@@ -77,7 +77,8 @@ def _prepare(cfg, args) -> Run:
   _check_workdir(args.workdir)
   _check_run_lengths(cfg)
   _check_seed(cfg.seed)
-  _start_jax(cfg)
+  profile = _start_jax(cfg)
+  resolve_attention(cfg, profile.platform)
   from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from trainer import data  # pylint: disable=g-import-not-at-top
   mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -92,12 +93,12 @@ def _prepare(cfg, args) -> Run:
   return run
 
 
-def _start_jax(cfg) -> None:
+def _start_jax(cfg):
   """Starts JAX on this machine's platform with the chip's compiler flags.
 
   Sets ``hardware.name`` to the detected chip's profile ('auto'), or checks that
-  the named one matches the devices. 'cpu' keeps to the CPU (simulated devices)
-  whatever else the machine has.
+  the named one matches the devices; returns the profile. 'cpu' keeps to the
+  CPU (simulated devices) whatever else the machine has.
   """
   # pylint: disable=g-import-not-at-top
   from launch import runtime
@@ -119,7 +120,21 @@ def _start_jax(cfg) -> None:
     raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); install '
                      f"the {extra} extra (pip install -e '.[{extra}]'), or set "
                      'JAX_PLATFORMS=cpu to train on the CPU') from None
-  cfg.hardware.name = hardware.detect(name, [d.device_kind for d in devices]).name
+  profile = hardware.detect(name, [d.device_kind for d in devices])
+  cfg.hardware.name = profile.name
+  return profile
+
+
+def resolve_attention(cfg, platform: str) -> None:
+  """Sets ``model.attention`` to the implementation it names on ``platform``.
+
+  'auto' becomes the one models/attention.py ``choose`` picks (recorded so in
+  config.json and checkpoints); 'cudnn' where it cannot run raises ValueError.
+  """
+  from models import attention  # pylint: disable=g-import-not-at-top
+  m = cfg.model
+  m.attention = attention.choose(m.attention, platform, m.dtype, m.head_dim, cfg.seq_len,
+                                 m.attention_block)
 
 
 def check_layout(cfg, mesh_shape: dict):
