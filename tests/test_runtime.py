@@ -8,6 +8,7 @@ import pytest
 
 from launch import runtime
 from parallelism import hardware
+from tests.conftest import ROOT
 
 
 def test_cpu_device_count_env_wins_over_config(monkeypatch):
@@ -100,3 +101,12 @@ def test_xla_knows_the_gpu_flags():
   proc = subprocess.run([sys.executable, '-c', 'import jax; jax.jit(lambda x: x + 1)(1.0)'],
                         env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_cuda12_extra_follows_the_jax_pin():
+  """jax[cuda12] pins jax-cuda12-plugin to jax's exact version; constraints.txt agrees."""
+  with open(os.path.join(ROOT, 'setup.py'), encoding='utf-8') as f:
+    assert "'cuda12': ['jax[cuda12]>=" in f.read()
+  with open(os.path.join(ROOT, 'constraints.txt'), encoding='utf-8') as f:
+    pins = dict(line.strip().split('==') for line in f if '==' in line and line[0] != '#')
+  assert pins['jax-cuda12-plugin'] == pins['jax-cuda12-pjrt'] == pins['jax'] == pins['jaxlib']
