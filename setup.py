@@ -34,6 +34,9 @@ setup(
         'plot': ['matplotlib>=3.8,<4'],  # trainer/plot.py, benchmarks/report.py
         'test': ['pytest>=8,<10', 'hypothesis>=6.100,<7'],
         'tpu': ['libtpu==0.0.42.*'],  # ahead-of-time TPU compilation: must match jaxlib 0.10.2
+        # NVIDIA GPUs (CUDA 12, with its pip-installed libraries): JAX's own extra, which pins
+        # jax-cuda12-plugin to the installed jax's exact version (0.10.2 in constraints.txt).
+        'cuda12': ['jax[cuda12]>=0.10.2,<0.11'],
         # trainer/convert.py --check: the reference Llama (CPU torch is enough);
         # transformers >= 4.56 takes from_pretrained(dtype=...).
         'hf': ['torch>=2.4,<3', 'transformers>=4.56,<6'],

@@ -20,7 +20,7 @@ import time
 
 from launch import runtime
 
-runtime.configure_host(1, cpu_only=True)
+runtime.configure_host(1, platform='cpu')
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position

@@ -4,9 +4,10 @@ Run it (what `make train` does):
 
   python -m trainer.train --config configs/default.py --workdir runs/default
 
-Trains on 8 simulated CPU devices with mesh data=2 x tensor=4 (sequence-parallel
-residual stream), in fp32, on the Python standard library source (see
-trainer/data.py), with every dense layer decomposed into a collective einsum. Expect the last eval
+Trains on 8 simulated CPU devices (hardware.name='auto' on a machine without a
+TPU or GPU) with mesh data=2 x tensor=4 (sequence-parallel residual stream), in
+fp32, on the Python standard library source (see trainer/data.py), with every
+dense layer decomposed into a collective einsum. Expect the last eval
 record in runs/default/metrics.jsonl to reach eval_bpb <= 3.0 in under 10
 minutes on a 2-core machine (install excluded).
 
@@ -47,7 +48,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = 'float32' # parameter (master weight) dtype
   c.model.scan_layers = False     # jax.lax.scan over layers (compile time of deep models)
   c.model.remat = 'none'          # activation recomputation: none | full | dots (= minimal)
-  c.model.attention = 'xla'       # xla (whole [t, s] logits) | blockwise (keys in blocks)
+  # xla (whole [t, s] logits) | blockwise (keys in blocks) | cudnn (flash attention, NVIDIA
+  # GPUs, bf16/fp16) | auto (per platform, recorded in config.json: models/attention.py)
+  c.model.attention = 'xla'
   c.model.attention_block = 512   # key positions per block of blockwise attention
 
   # Mixture of Experts (models/moe.py): num_experts=0 keeps every MLP dense.
@@ -146,10 +149,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.profile.dump_hlo = False      # write the compiled train step's HLO text
 
   c.hardware = ml_collections.ConfigDict()
-  c.hardware.name = 'cpu'         # profile: cpu | tpu_v4 | tpu_v5p | tpu_v5e | tpu_v6e | h100 | h200
+  # Profile (parallelism/hardware.py): auto (detected from the devices: simulated
+  # CPU devices when no TPU or GPU is visible) | cpu (the CPU even beside an
+  # accelerator) | tpu_v4 | tpu_v5p | tpu_v5e | tpu_v6e | h100 | h200 (must match).
+  c.hardware.name = 'auto'
   c.hardware.peak_flops = 0.0     # per-device peak override (0: from the profile)
   c.hardware.cpu_devices = 8      # simulated CPU devices, unless RINGTRAIN_CPU_DEVICES is set
-  # TPU compiler flags (LIBTPU_INIT_ARGS) for training and launch.aot: 'default' (the
-  # chip's row in parallelism/hardware.py), 'none', or a space-separated list.
+  # Compiler flags for training on a TPU (LIBTPU_INIT_ARGS; also launch.aot) or a GPU
+  # (XLA_FLAGS): 'default' (the chip's row in parallelism/hardware.py), 'none', or a
+  # space-separated list.
   c.hardware.xla_flags = 'default'
   return c

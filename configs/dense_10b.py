@@ -2,9 +2,10 @@ r"""A ~10B-parameter dense decoder (Llama-style) on 128 TPU v4 chips.
 
 9.90B parameters: 32 scanned blocks, d_model 5120, 40 query heads of 128 over
 8 key/value heads, SwiGLU 15360, vocabulary 32768, untied embeddings. Mesh
-fsdp=32 x tensor=4 on a v4:4x4x8 slice, global batch 256 x 2048 tokens, bf16
-compute over fp32 master weights and AdamW state, full remat. The smallest of
-the paper's model sizes (Wang et al., ASPLOS 2023: 10B to 1T parameters).
+fsdp=32 x tensor=4 on a v4:4x4x8 slice (Cloud TPU accelerator type v4-256: 128
+chips, 32 hosts), global batch 256 x 2048 tokens, bf16 compute over fp32 master
+weights and AdamW state, full remat. The smallest of the paper's model sizes
+(Wang et al., ASPLOS 2023: 10B to 1T parameters).
 
 Nothing here runs on this machine's CPU; compile it for the TPU slice ahead of
 time (needs the tpu extra) and read memory fit and the modeled step time:

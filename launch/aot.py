@@ -148,6 +148,7 @@ def _check(cfg, chips: int) -> dict:
   from models.transformer import count_params
   from parallelism import mesh as mesh_lib
   from trainer import metrics, train
+  train.resolve_attention(cfg, 'tpu')
   sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)
   mesh = types.SimpleNamespace(shape={a: d * i for a, (d, i) in sizes.items()})
   model_cfg, params = train.check_layout(cfg, mesh.shape)
@@ -175,7 +176,8 @@ def worker(args, overrides) -> int:
   from jax.experimental import topologies
   from models.transformer import TransformerConfig
   from parallelism import mesh as mesh_lib, report, sharding, step_model
-  from trainer import loop
+  from trainer import loop, train
+  train.resolve_attention(cfg, 'tpu')  # load() refused what cannot run there
   out = {'variant': variant.name, 'description': variant.description,
          'collective_matmul': cfg.parallelism.collective_matmul,
          'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', '')}

@@ -128,7 +128,9 @@ def launch(num: int, per_process: int, command: list[str], log_dir: str) -> int:
         f'{coordinator}, logs in {log_dir}/', flush=True)
   procs = []
   for i in range(num):
-    env = {**os.environ, 'RINGTRAIN_COORDINATOR': coordinator,
+    # CPU processes (JAX_PLATFORMS=cpu unless set): hardware.name=auto would
+    # otherwise give every process all of this machine's GPUs.
+    env = {'JAX_PLATFORMS': 'cpu', **os.environ, 'RINGTRAIN_COORDINATOR': coordinator,
            'RINGTRAIN_NUM_PROCESSES': str(num), 'RINGTRAIN_PROCESS_ID': str(i),
            'RINGTRAIN_CPU_DEVICES': str(per_process), 'PYTHONUNBUFFERED': '1'}
     procs.append(Process(i, command, env, os.path.join(log_dir, f'process_{i}.log')))

@@ -5,6 +5,10 @@
 * XLA's CPU collective timeouts are raised: with many fake devices on few cores
   a collective can wait for its peer threads longer than the 40 s default, and
   XLA then aborts the whole process.
+* The platform (``probe_platform``) is decided before JAX starts, and with it
+  the compiler flags of the chip: ``LIBTPU_INIT_ARGS`` on a TPU, ``XLA_FLAGS`` on
+  a GPU (both are read once, when JAX opens the device). This is the one place
+  that sets them for training.
 * A persistent compilation cache makes repeated runs and tests start faster.
 * Multi-process runs start JAX's distributed runtime (``start_distributed``):
   on TPU pod workers by auto-detection, else from an explicit coordinator
@@ -15,6 +19,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
 CPU_DEVICES_ENV = 'RINGTRAIN_CPU_DEVICES'
@@ -38,6 +43,36 @@ def cpu_device_count(default: int) -> int:
   return int(raw)
 
 
+# What JAX_PLATFORMS names -> the platform of parallelism/hardware.py's rows.
+JAX_PLATFORM_NAMES = {'cpu': 'cpu', 'tpu': 'tpu', 'cuda': 'gpu', 'gpu': 'gpu'}
+GOOGLE_PCI_VENDOR = '0x1ae0'  # TPU chips on the PCI bus (what JAX itself looks for)
+PCI_VENDOR_FILES = '/sys/bus/pci/devices/*/vendor'
+NVIDIA_DEVICE_FILES = ('/dev/nvidia0', '/dev/nvidiactl')
+
+
+def probe_platform() -> str:
+  """'tpu', 'gpu' or 'cpu': where this process will run, decided without starting JAX.
+
+  ``JAX_PLATFORMS`` wins when set; else a TPU chip on the PCI bus, then an
+  NVIDIA device file, else the CPU. Not ``jax.devices()``: with the ``tpu``
+  extra installed, JAX on a machine without a TPU first tries to open one
+  (warnings and a slow start), and the chip's compiler flags must be in the
+  environment before JAX opens the device. The chip itself is detected from
+  ``jax.devices()`` afterwards (parallelism/hardware.py ``detect``).
+  """
+  requested = os.environ.get('JAX_PLATFORMS', '').split(',')[0].strip().lower()
+  if requested:
+    if requested not in JAX_PLATFORM_NAMES:
+      raise ValueError(f'JAX_PLATFORMS={os.environ["JAX_PLATFORMS"]!r}: ringtrain runs on '
+                       f'{", ".join(JAX_PLATFORM_NAMES)}')
+    return JAX_PLATFORM_NAMES[requested]
+  for path in glob.glob(PCI_VENDOR_FILES):
+    with open(path, encoding='ascii') as f:
+      if f.read().strip() == GOOGLE_PCI_VENDOR:
+        return 'tpu'
+  return 'gpu' if any(os.path.exists(p) for p in NVIDIA_DEVICE_FILES) else 'cpu'
+
+
 def add_xla_flags(flags=XLA_CPU_FLAGS) -> None:
   """Appends flags to XLA_FLAGS unless the user already set them."""
   current = os.environ.get('XLA_FLAGS', '')
@@ -46,21 +81,31 @@ def add_xla_flags(flags=XLA_CPU_FLAGS) -> None:
 
 
 def configure_host(cpu_devices: int, cache_dir: str | None = None,
-                   cpu_only: bool = False, tpu_flags: str = '') -> None:
+                   platform: str | None = None, compiler_flags: str = '') -> None:
   """Must run before the first JAX computation of the process.
 
-  ``cpu_only`` defaults JAX_PLATFORMS to ``cpu`` (unless set): with the ``tpu``
-  extra installed, JAX otherwise first tries to open a TPU on a CPU machine.
-  ``tpu_flags`` (the chip's default compiler flags, ``hardware.xla_flags``)
-  go before the user's own ``LIBTPU_INIT_ARGS``, so the user's win.
+  ``platform`` (``probe_platform``'s answer, or None: JAX decides) opens only
+  that platform: with the ``tpu`` extra installed, JAX otherwise first tries to
+  open a TPU on a CPU machine, and a TPU or GPU whose plugin is missing fails
+  loudly instead of falling back to the CPU. An explicit JAX_PLATFORMS stays.
+  ``compiler_flags`` (the chip's, ``hardware.xla_flags``) go to
+  ``LIBTPU_INIT_ARGS`` on a TPU, before the user's own, so the user's win; to
+  ``XLA_FLAGS`` on a GPU, unless the user's XLA_FLAGS set the same flag.
   """
-  if cpu_only:
-    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  if tpu_flags:
+  if platform:
+    # The CPU beside an accelerator too: host-side arrays (checkpoints) may use it.
+    os.environ.setdefault('JAX_PLATFORMS', {'cpu': 'cpu', 'tpu': 'tpu,cpu', 'gpu': 'cuda,cpu'}[platform])
+  if platform == 'tpu' and compiler_flags:
     os.environ['LIBTPU_INIT_ARGS'] = ' '.join(
-        filter(None, [tpu_flags, os.environ.get('LIBTPU_INIT_ARGS', '')]))
+        filter(None, [compiler_flags, os.environ.get('LIBTPU_INIT_ARGS', '')]))
+  if platform == 'gpu':
+    add_xla_flags(compiler_flags.split())
   add_xla_flags()
   import jax  # pylint: disable=g-import-not-at-top
+  # JAX reads JAX_PLATFORMS when first imported, which may have been before this.
+  platforms = os.environ.get('JAX_PLATFORMS') or None
+  if jax.config.jax_platforms != platforms:  # settable only before JAX starts
+    jax.config.update('jax_platforms', platforms)
   if jax.config.jax_num_cpu_devices != cpu_devices:  # settable only before JAX starts
     jax.config.update('jax_num_cpu_devices', cpu_devices)
   cache_dir = cache_dir or os.environ.get('RINGTRAIN_COMPILATION_CACHE')

@@ -1,13 +1,14 @@
 r"""Runs a command on every worker of a Cloud TPU VM slice, through gcloud.
 
   python -m launch.tpu_pod --tpu NAME --zone ZONE [--project P] [--dry_run] \
-      [--skip_setup] -- python -m trainer.train --config configs/dense_10b.py ...
+      [--python python3.11] [--skip_setup] -- python -m trainer.train --config ...
   python -m launch.tpu_pod --tpu NAME --zone ZONE [--project P] --stop
 
 1. packs this working tree (without .venv, runs, .cache, .git), in a private
    temporary directory of this launch, and copies it to every worker
    (``gcloud compute tpus tpu-vm scp ... --worker=all``);
-2. installs it there in ``~/ringtrain/.venv`` with the ``tpu`` extra;
+2. installs it there in ``~/ringtrain/.venv`` (made by ``--python``, Python 3.11
+   or later) with the ``tpu`` extra, at the versions of constraints.txt;
 3. runs the command on all workers at once (``gcloud compute tpus tpu-vm ssh
    ... --worker=all``), ``python`` meaning that venv's, with
    ``--config.distributed.auto=True`` added to trainer commands (the workers
@@ -49,6 +50,9 @@ def parse_args(argv):
   parser.add_argument('--zone', required=True)
   parser.add_argument('--project', default=None)
   parser.add_argument('--dry_run', action='store_true', help='print the commands only')
+  parser.add_argument('--python', default='python3',
+                      help="the workers' Python for the venv: 3.11 or later (setup.py); "
+                           'Ubuntu 22.04 images: python3.11 (apt-get install python3.11-venv)')
   parser.add_argument('--skip_setup', action='store_true',
                       help='do not copy and install the tree (already there)')
   parser.add_argument('--stop', action='store_true', help='stop the trainer on all workers')
@@ -92,8 +96,8 @@ def commands(args, archive: str) -> list[list[str]]:
         ['tar', 'czf', archive, *excludes, '.'],
         _gcloud(args, 'scp', archive, f'{args.tpu}:~/'),
         _ssh(args, f'mkdir -p ~/{REMOTE_DIR} && tar xzf ~/{ARCHIVE} -C ~/{REMOTE_DIR} && '
-                   f'cd ~/{REMOTE_DIR} && python3 -m venv .venv && '
-                   ".venv/bin/pip install -q -e '.[tpu]'"),
+                   f'cd ~/{REMOTE_DIR} && {shlex.quote(args.python)} -m venv .venv && '
+                   ".venv/bin/pip install -q -c constraints.txt -e '.[tpu]'"),
     ]
   return steps + [_ssh(args, remote_command(args.command))]
 

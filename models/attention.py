@@ -1,4 +1,10 @@
-"""Blockwise attention: causal, document-masked softmax attention in key blocks.
+"""Attention implementations beside the plain one, and which one ``'auto'`` picks.
+
+``model.attention`` (models/transformer.py): 'xla' (the whole ``[t, s]``
+logits), 'blockwise' (below), 'cudnn' (``attend_cudnn``: cuDNN's flash
+attention on an NVIDIA GPU) or 'auto' (``choose``).
+
+Blockwise attention: causal, document-masked softmax attention in key blocks.
 
 ``attend_blockwise`` gives the same result as the plain attention of
 models/transformer.py (``attend``) without ever holding the ``[t, s]`` logits
@@ -112,3 +118,59 @@ def attend_blockwise(q_btnh, k_bskh, v_bskh, segments_bt, block: int):
   q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
   out_bkgth = _attend(q_btkgh, k_bskh, v_bskh, segments_bt, block)
   return jnp.moveaxis(out_bkgth, 3, 1).reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def attend_cudnn(q_btnh, k_bskh, v_bskh, segments_bt, implementation: str = 'cudnn'):
+  """Causal attention within documents by ``jax.nn.dot_product_attention`` (cuDNN on a GPU).
+
+  ``is_causal`` lets cuDNN skip the key blocks above the diagonal. The document
+  mask goes in as a boolean ``[b, 1, t, s]`` mask, which JAX hands to cuDNN as
+  an additive bias in the compute dtype (2 bytes per query-key pair, shared by
+  the heads; cuDNN's packed-segment layout is not reachable through this API).
+  ``implementation='xla'`` runs the same call anywhere (the tests, on CPU).
+  """
+  same_doc_b1ts = (segments_bt[:, :, None] == segments_bt[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=same_doc_b1ts,
+                                      is_causal=True, implementation=implementation)
+
+
+def cudnn_refusal(dtype: str, head_dim: int, seq_len: int) -> str:
+  """Why cuDNN's flash attention cannot run this model ('' when it can).
+
+  Its limits (jax/_src/cudnn/fused_attention_stablehlo.py): fp16/bf16 inputs;
+  head_dim a multiple of 8, at most 256 on Hopper (the H100 and H200 rows of
+  parallelism/hardware.py); an even length when training with a mask (bias).
+  """
+  if dtype not in ('bfloat16', 'float16'):
+    return f'model.dtype={dtype!r} (cuDNN takes bfloat16 or float16)'
+  if head_dim % 8 or head_dim > 256:
+    return f'model.head_dim={head_dim} (cuDNN takes multiples of 8 up to 256)'
+  if seq_len % 2:
+    return f'seq_len={seq_len} (cuDNN takes even lengths with a mask)'
+  return ''
+
+
+def choose(attention: str, platform: str, dtype: str, head_dim: int, seq_len: int,
+           block: int) -> str:
+  """The implementation ``model.attention`` names on ``platform`` ('cpu', 'tpu', 'gpu').
+
+  'auto' picks 'cudnn' on a GPU where cuDNN runs the model (a fused kernel, no
+  ``[t, s]`` logits in memory), else 'blockwise' when the sequence spans several
+  key blocks (the whole logits would be several times one block's: at seq 4096
+  on CPU it took 0.18x the temporaries and 0.72x the time of 'xla',
+  benchmarks/attention.py), else 'xla' (one block: nothing to save, and no
+  recomputation in the backward pass). Raises ValueError for 'cudnn' where it
+  cannot run.
+  """
+  refusal = cudnn_refusal(dtype, head_dim, seq_len)
+  if attention == 'cudnn' and platform != 'gpu':
+    raise ValueError(f"model.attention='cudnn' runs on an NVIDIA GPU, this run is on the "
+                     f"{platform}: use 'auto', 'blockwise' or 'xla'")
+  if attention == 'cudnn' and refusal:
+    raise ValueError(f"model.attention='cudnn' cannot run {refusal}: use 'auto', "
+                     "'blockwise' or 'xla'")
+  if attention != 'auto':
+    return attention
+  if platform == 'gpu' and not refusal:
+    return 'cudnn'
+  return 'blockwise' if seq_len > block and seq_len % block == 0 else 'xla'

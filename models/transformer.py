@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import attend_blockwise
+from models.attention import attend_blockwise, attend_cudnn
 from models.moe import MoeConfig, MoeMlp, zero_aux
 from models.ops import Ops
 
@@ -39,8 +39,10 @@ REMAT_POLICIES = {
 
 
 # 'xla': softmax over the whole [t, s] logits, as XLA compiles it; 'blockwise': keys in
-# blocks with an online softmax and a recomputing backward (models/attention.py).
-ATTENTION = ('xla', 'blockwise')
+# blocks with an online softmax and a recomputing backward; 'cudnn': cuDNN's flash
+# attention (NVIDIA GPUs); 'auto': the trainer picks one per platform before the
+# model is built (models/attention.py: choose).
+ATTENTION = ('xla', 'blockwise', 'cudnn', 'auto')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,11 @@ class Attention(nnx.Module):
     if self.cfg.attention == 'blockwise':
       block = min(self.cfg.attention_block, q_btnh.shape[1])
       return self._out(attend_blockwise(q_btnh, k_btkh, v_btkh, segments_bt, block))
+    if self.cfg.attention == 'cudnn':
+      return self._out(attend_cudnn(q_btnh, k_btkh, v_btkh, segments_bt))
+    if self.cfg.attention == 'auto':  # no silent choice here: the platform is not known
+      raise ValueError("model.attention='auto' is chosen per platform before the model is "
+                       'built (models/attention.py: choose)')
     return self._out(attend(q_btnh, k_btkh, v_btkh, segments_bt))
 
   def decode(self, x_btd, positions_bt, cache, index):

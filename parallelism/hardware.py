@@ -4,9 +4,9 @@ Per device, from vendors' data sheets and public figures (each row names its
 source): dense bf16 peak FLOP/s (on the CPU, whose fake devices share the
 host's cores, the host's fp32 matmul rate, measured once per machine and
 cached: peak_flops_per_device), HBM bandwidth, the HBM one compiled program
-may use, interconnect link bandwidth, and for TPUs how to name a slice to the
-compiler (``launch.aot``) and the compiler flags a run uses by default on that
-chip.
+may use, interconnect link bandwidth, for TPUs how to name a slice to the
+compiler (``launch.aot``), the compiler flags a run uses by default on that
+chip, and the ``device_kind`` by which ``hardware.name='auto'`` recognizes it.
 
 Link numbers: TPU ICI per link and direction (v4 and v5e 45 GB/s, v5p and
 v6e 90 GB/s), a ring on one torus axis using one link per direction; NVLink 4
@@ -17,6 +17,7 @@ fake devices: synchronous, so nothing overlaps and decomposition never pays.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
@@ -42,6 +43,23 @@ MAXTEXT_TPU_FLAGS = (
     '--xla_enable_async_all_gather=true',
 )
 
+# XLA flags for overlapping collectives with compute on NVIDIA GPUs, from JAX's
+# GPU performance tips and NVIDIA's JAX-Toolbox: the latency-hiding scheduler
+# moves collectives to overlap compute; pipelining moves the FSDP all-gathers,
+# reduce-scatters and all-reduces of a scanned layer loop into the iteration
+# before (after) their use, with the loop double-buffered to make room; combining
+# collectives by dimension is off so the pipelined ones are not merged back.
+# jaxlib 0.10.2 knows each (XLA parses them on every backend: tests/test_runtime.py).
+GPU_OVERLAP_FLAGS = (
+    '--xla_gpu_enable_latency_hiding_scheduler=true',
+    '--xla_gpu_enable_pipelined_all_gather=true',
+    '--xla_gpu_enable_pipelined_reduce_scatter=true',
+    '--xla_gpu_enable_pipelined_all_reduce=true',
+    '--xla_gpu_enable_while_loop_double_buffering=true',
+    '--xla_gpu_enable_all_gather_combine_by_dim=false',
+    '--xla_gpu_enable_reduce_scatter_combine_by_dim=false',
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class TpuSlice:
@@ -64,48 +82,57 @@ class HardwareProfile:
   hbm_bandwidth: float = 0.0     # bytes/s; 0: not modeled (CPU)
   usable_hbm_bytes: float = 0.0  # what the compiler lets one program use
   tpu: TpuSlice | None = None    # set for TPU chips: how launch.aot names a slice
-  compiler_flags: tuple[str, ...] = ()  # default LIBTPU_INIT_ARGS on this chip
+  # Default compiler flags on this chip: LIBTPU_INIT_ARGS on a TPU, XLA_FLAGS on a GPU.
+  compiler_flags: tuple[str, ...] = ()
+  platform: str = ''      # JAX's platform: 'cpu' | 'tpu' | 'gpu'
+  device_kind: str = ''   # regular expression matching jax.Device.device_kind in full
 
 
 PROFILES = {p.name: p for p in (
     HardwareProfile('cpu', 0.0, 'fp32 matmul measured at start / simulated devices',
-                    10e9, 1, 20e-6, False),
+                    10e9, 1, 20e-6, False, platform='cpu', device_kind='cpu'),
     # v4: 32 GiB HBM, of which the compiler gives one program 30.75 GiB (its own
     # figure in out-of-memory messages).
     HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
                     hbm_bandwidth=1.2e12, usable_hbm_bytes=30.75 * GIB,
+                    platform='tpu', device_kind=r'TPU v4',
                     tpu=TpuSlice('v4', 'megacore', (2, 2, 1)),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     # v5p: 95 GiB HBM; 95.74 GiB usable per program (the compiler's figure).
     HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip', 90e9, 1, 2e-6, True,
                     hbm_bandwidth=2.765e12, usable_hbm_bytes=95.74 * GIB,
+                    platform='tpu', device_kind=r'TPU v5p?',
                     tpu=TpuSlice('v5p', 'megacore', (2, 2, 1)),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     # v5e and v6e: 2-D tori (v5e:4x4), 16 and 32 GiB HBM, same reserve assumed.
     HardwareProfile('tpu_v5e', 197e12, 'TPU v5e data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
                     hbm_bandwidth=8.1e11, usable_hbm_bytes=14.75 * GIB,
+                    platform='tpu', device_kind=r'TPU v5(e| lite)',
                     tpu=TpuSlice('v5e', 'default', (2, 2, 1)),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     HardwareProfile('tpu_v6e', 918e12, 'TPU v6e (Trillium) data sheet, bf16 per chip', 90e9, 1,
                     2e-6, True, hbm_bandwidth=1.64e12, usable_hbm_bytes=30.75 * GIB,
+                    platform='tpu', device_kind=r'TPU v6(e| lite)',
                     tpu=TpuSlice('v6e', 'default', (2, 2, 1)),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
-                    hbm_bandwidth=3.35e12, usable_hbm_bytes=80e9),
+                    hbm_bandwidth=3.35e12, usable_hbm_bytes=80e9, platform='gpu',
+                    device_kind=r'NVIDIA H100.*', compiler_flags=GPU_OVERLAP_FLAGS),
     HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
-                    hbm_bandwidth=4.8e12, usable_hbm_bytes=141e9),
+                    hbm_bandwidth=4.8e12, usable_hbm_bytes=141e9, platform='gpu',
+                    device_kind=r'NVIDIA H200.*', compiler_flags=GPU_OVERLAP_FLAGS),
 )}
 TPU_PREFIXES = {p.tpu.prefix: p for p in PROFILES.values() if p.tpu}
 
 
 def get_profile(name: str) -> HardwareProfile:
   if name not in PROFILES:
-    raise ValueError(f'hardware.name={name!r} is not one of {sorted(PROFILES)}')
+    raise ValueError(f'hardware.name={name!r} is not auto or one of {sorted(PROFILES)}')
   return PROFILES[name]
 
 
 def compiler_flags(profile: HardwareProfile, setting: str = 'default') -> str:
-  """The compiler flags (``LIBTPU_INIT_ARGS``) a program for this chip is built with.
+  """The compiler flags a program for this chip is built with (LIBTPU_INIT_ARGS or XLA_FLAGS).
 
   ``setting`` is ``hardware.xla_flags``: 'default' (the chip's row above),
   'none', or a space-separated list used instead of the defaults.
@@ -113,6 +140,40 @@ def compiler_flags(profile: HardwareProfile, setting: str = 'default') -> str:
   if setting == 'default':
     return ' '.join(profile.compiler_flags)
   return '' if setting == 'none' else setting
+
+
+def startup_flags(name: str, platform: str, setting: str = 'default') -> str:
+  """The compiler flags to put in the environment before JAX starts on ``platform``.
+
+  Named chips use their row's; 'auto' (the chip is known only once JAX has
+  started, too late for flags) uses its platform's, which all that platform's
+  rows share (tests/test_runtime.py checks). None on the CPU.
+  """
+  if platform == 'cpu':
+    return ''
+  rows = [p for p in PROFILES.values() if p.platform == platform]
+  return compiler_flags(get_profile(name) if name != 'auto' else rows[0], setting)
+
+
+def detect(name: str, kinds: list[str]) -> HardwareProfile:
+  """The profile of ``hardware.name`` on devices of these kinds (``jax.Device.device_kind``).
+
+  'auto' picks the row whose ``device_kind`` matches; a named chip must match
+  the devices. Raises ValueError naming both otherwise.
+  """
+  found = [p for p in PROFILES.values()
+           if p.device_kind and all(re.fullmatch(p.device_kind, k) for k in kinds)]
+  devices = f'{len(kinds)} x {kinds[0]!r}' if len(set(kinds)) == 1 else repr(sorted(set(kinds)))
+  if name == 'auto' and found:
+    return found[0]
+  if name == 'auto':
+    raise ValueError(f'hardware.name=auto: no row of parallelism/hardware.py describes the '
+                     f'devices ({devices}); add one (peak FLOP/s, bandwidths, device_kind)')
+  if get_profile(name) in found:
+    return get_profile(name)
+  raise ValueError(f'hardware.name={name!r} does not match the devices ({devices}, ' + (
+      f'which are {found[0].name}); use hardware.name=auto' if found else
+      'which no row of parallelism/hardware.py describes); add one'))
 
 
 def measure_host_matmul_flops(sizes=(512, 1024, 2048), repeats: int = 10) -> float:

@@ -44,6 +44,8 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
     (['--config', DENSE_10B, '--variants', 'ours,fastest'], '--variants'),
     (['--config', DENSE_10B, '--topology', 'v4:2x2x2'], '!= device count 8'),
     (['--config', os.path.join(ROOT, 'configs', 'default.py')], 'has no aot.topology'),
+    (['--config', DENSE_10B, '--config.model.attention=cudnn'],
+     "model.attention='cudnn' runs on an NVIDIA GPU, this run is on the tpu"),
     (['--config', DENSE_10B, '--config.mesh.tensor=3', '--config.mesh.fsdp=-1'],
      'cannot fill mesh.fsdp=-1'),
 ])

@@ -1,4 +1,4 @@
-"""Blockwise attention against the plain attention (values and gradients)."""
+"""Blockwise and cuDNN-API attention against the plain one; which one 'auto' picks."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.attention import attend_blockwise
+from models import attention
+from models.attention import attend_blockwise, attend_cudnn
 from models.transformer import Transformer, TransformerConfig, attend
+from tests.test_cli import DEFAULT, TINY
+from trainer import train
 
 
 def _inputs(b, t, n, k, h, dtype, seed=0):
@@ -47,6 +50,43 @@ def test_bf16_within_bf16_error():
   assert float(jnp.abs(out - ref).max()) <= 2 * float(jnp.abs(plain - ref).max()) + 1e-2
 
 
+@pytest.mark.parametrize('n,k', [(4, 4), (4, 2)])
+def test_cudnn_masks_match_the_plain_attention(n, k):
+  """The causal and document masks as 'cudnn' passes them, run by XLA (no GPU here)."""
+  q, kk, v, seg = _inputs(2, 32, n, k, 16, jnp.float32, seed=5)
+  via_api = lambda q, kk, v, seg: attend_cudnn(q, kk, v, seg, implementation='xla')
+  np.testing.assert_allclose(via_api(q, kk, v, seg), attend(q, kk, v, seg), atol=2e-5, rtol=2e-5)
+  g_ref = jax.grad(_loss(attend, seg), argnums=(0, 1, 2))(q, kk, v)
+  g = jax.grad(_loss(via_api, seg), argnums=(0, 1, 2))(q, kk, v)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize('platform, dtype, head_dim, seq_len, picked', [
+    ('gpu', 'bfloat16', 128, 2048, 'cudnn'),
+    ('gpu', 'float32', 128, 2048, 'blockwise'),   # cuDNN takes bf16/fp16 only
+    ('gpu', 'bfloat16', 12, 256, 'xla'),          # head_dim not a multiple of 8; one block
+    ('tpu', 'bfloat16', 128, 2048, 'blockwise'),  # several key blocks: never the whole logits
+    ('cpu', 'float32', 32, 256, 'xla'),           # one block: nothing to save (make train)
+    ('cpu', 'float32', 32, 4096, 'blockwise'),
+    ('cpu', 'float32', 32, 1000, 'xla'),          # the block does not divide the length
+])
+def test_auto_picks_per_platform(platform, dtype, head_dim, seq_len, picked):
+  assert attention.choose('auto', platform, dtype, head_dim, seq_len, 512) == picked
+  assert attention.choose('xla', platform, dtype, head_dim, seq_len, 512) == 'xla'
+
+
+def test_cudnn_is_refused_where_it_cannot_run():
+  with pytest.raises(ValueError, match="'cudnn' runs on an NVIDIA GPU, this run is on the cpu"):
+    attention.choose('cudnn', 'cpu', 'bfloat16', 128, 2048, 512)
+  with pytest.raises(ValueError, match="cannot run model.dtype='float32'"):
+    attention.choose('cudnn', 'gpu', 'float32', 128, 2048, 512)
+  assert attention.choose('cudnn', 'gpu', 'float16', 64, 2048, 512) == 'cudnn'
+  model = Transformer(TransformerConfig(attention='auto'), nnx.Rngs(0))
+  with pytest.raises(ValueError, match="'auto' is chosen per platform"):
+    model(jnp.zeros((1, 8), jnp.int32), segments_bt=jnp.zeros((1, 8), jnp.int32))
+
+
 def test_block_must_divide_the_length():
   q, kk, v, seg = _inputs(1, 48, 2, 2, 8, jnp.float32)
   with pytest.raises(ValueError, match='attention_block=32'):
@@ -69,3 +109,11 @@ def test_model_logits_and_grads_do_not_depend_on_the_attention():
   np.testing.assert_allclose(a, b, rtol=1e-5)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_the_trainer_records_what_auto_picked(tmp_path):
+  args, overrides = train.parse_args(['--config', DEFAULT, '--workdir', str(tmp_path), *TINY,
+                                      '--config.model.attention=auto',
+                                      '--config.model.attention_block=16'])
+  run = train.prepare(args, overrides)  # seq_len 32 on the CPU: two key blocks
+  assert run.cfg.model.attention == run.model_cfg.attention == 'blockwise'

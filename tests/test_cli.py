@@ -30,6 +30,12 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.mesh.data=-1', '--config.mesh.tensor=-1'], 'at most one mesh size may be -1'),
     (['--config.seq_len=2048'], 'seq_len=2048 exceeds model.max_seq_len=1024'),
     (['--config.hardware.name=tpu_v9'], "hardware.name='tpu_v9'"),
+    # a named chip the devices are not (this machine's CPU): trained with mfu 0.00% before
+    (['--config.hardware.name=h100'],
+     "hardware.name='h100' does not match the devices (8 x 'cpu', which are cpu)"),
+    (['--config.model.attention=cudnn'],
+     "model.attention='cudnn' runs on an NVIDIA GPU, this run is on the cpu"),
+    (['--config.model.attention=flash'], "model.attention='flash' is not one of"),
     (['--config.model.num_kv_heads=3'], 'num_kv_heads=3'),
     (['--config.steps=0'], 'steps=0 must be at least 1'),
     (['--config.model.num_kv_heads=2'], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),
@@ -116,7 +122,8 @@ def test_missing_config_file(capsys):
 
 def test_three_step_run_through_the_cli(tmp_path):
   workdir = tmp_path / 'run'
-  env = dict(os.environ, PYTHONPATH=ROOT)
+  # No JAX_PLATFORMS: hardware.name=auto finds no TPU or GPU, so 8 simulated CPU devices.
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'} | {'PYTHONPATH': ROOT}
   cmd = [sys.executable, '-m', 'trainer.train', '--config', DEFAULT, '--workdir', str(workdir),
          '--config.steps=3', '--config.log_every=1', '--config.eval_every=2'] + TINY
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -136,6 +143,8 @@ def test_three_step_run_through_the_cli(tmp_path):
   assert '% of it in device steps (goodput)' in proc.stdout
   config = json.loads((workdir / 'config.json').read_text())
   assert config['steps'] == 3 and config['model']['d_model'] == 32
+  assert config['hardware']['name'] == 'cpu' and 'data=2 x fsdp=1 x tensor=4' in proc.stdout
+  assert 'libtpu' not in proc.stderr  # JAX never looked for a TPU
   assert any(name.startswith('events.') for name in os.listdir(workdir / 'tb'))
 
 

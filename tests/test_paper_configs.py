@@ -1,4 +1,4 @@
-"""Paper-scale configs, shape only: parameter counts, layouts and their TPU slices."""
+"""Paper-scale and accelerator configs, shape only: parameter counts, layouts, their slices."""
 
 import os
 import re
@@ -7,10 +7,11 @@ import pytest
 from flax import nnx
 
 from launch import aot
+from models import attention
 from models.transformer import Transformer, TransformerConfig, count_params
 from parallelism import mesh as mesh_lib
 from tests.conftest import ROOT
-from trainer import config as config_lib
+from trainer import config as config_lib, train
 
 # configs/<name>.py; the size in the name (10b, 1t) is what the count must match.
 CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
@@ -45,3 +46,16 @@ def test_runs_as_a_user_would_on_its_tpu_slice(name):
   sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)  # raises unless the mesh covers the slice
   assert sizes['fsdp'][1] > 1 and max(sizes['tensor'][1], sizes['expert'][1]) > 1
   assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0
+
+
+@pytest.mark.parametrize('chips', [1, 4, 8])  # one GPU; a v4-8; a v5e-8 or eight GPUs
+def test_the_single_host_config_fits_the_hosts_it_names(chips):
+  cfg = _load('single_host')
+  sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)
+  _, params = train.check_layout(cfg, {a: d * i for a, (d, i) in sizes.items()})
+  assert abs(count_params(params) / 76e6 - 1) <= 0.03, count_params(params)
+  model = cfg.model
+  picked = {platform: attention.choose(model.attention, platform, model.dtype, model.head_dim,
+                                       cfg.seq_len, model.attention_block)
+            for platform in ('gpu', 'tpu')}
+  assert picked == {'gpu': 'cudnn', 'tpu': 'blockwise'}

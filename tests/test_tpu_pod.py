@@ -84,3 +84,12 @@ def test_stop_signals_the_trainer_and_not_shells_that_mention_it(tmp_path, monke
     if shell.poll() is None:
       os.killpg(shell.pid, 9)
   assert shell.returncode == 0 and 'shell survived' in out  # the trainer alone got SIGTERM
+
+
+def test_the_venv_is_made_by_the_python_asked_for():
+  """Ubuntu 22.04 TPU images have Python 3.10; setup.py asks for 3.11 or later."""
+  args = tpu_pod.parse_args(['--tpu', 't', '--zone', 'z', '--python', 'python3.11', '--',
+                             'python', '-m', 'trainer.train'])
+  setup = [a for c in tpu_pod.commands(args, '/private/ringtrain.tgz') for a in c
+           if a.startswith('--command=') and '-m venv' in a]
+  assert len(setup) == 1 and 'python3.11 -m venv .venv' in setup[0]

@@ -254,7 +254,8 @@ def main(argv=None) -> int:
   from launch import runtime  # pylint: disable=g-import-not-at-top
   err = lambda *a: print(*a, file=sys.stderr, flush=True)
   try:  # before anything imports JAX: it reads JAX_PLATFORMS when imported
-    runtime.configure_host(runtime.cpu_device_count(8), cpu_only=args.platform == 'cpu')
+    runtime.configure_host(runtime.cpu_device_count(8),
+                           platform='cpu' if args.platform == 'cpu' else None)
   except ValueError as e:
     err(f'error: {e}')
     return 2

@@ -118,7 +118,7 @@ def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
 def _initial_state(run, checkpointer, p: Program):
   """(state, step): resumed from the run's checkpoints, else fresh (params maybe loaded)."""
   log = print if jax.process_index() == 0 else (lambda *a, **k: None)
-  # Every branch waits: one sharded computation in flight at a time (see train()).
+  # Every branch waits: one sharded computation in flight at a time (overlaps_steps).
   if checkpointer is not None and checkpointer.steps():
     state, step = checkpointer.restore(p.abstract_state)
     log(f'resuming from step {step} ({os.path.join(checkpointer.directory, str(step))})'
@@ -163,14 +163,15 @@ def train(run) -> dict:
 
 
 def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock) -> dict:
-  cfg, mesh = run.cfg, run.mesh
+  cfg = run.cfg
   last_step = cfg.stop_after or cfg.steps
   writer = metrics_lib.MetricsWriter(run.workdir, last_step, s.start_step,
                                      enabled=jax.process_index() == 0, clock=clock)
   meta = checkpoint_meta(run)
-  tokens_per_step = cfg.batch_size * cfg.seq_len
-  state, window, eval_record, done = s.state, [], {}, s.start_step
   tracer = profiling.StepTracer(cfg, run.workdir, s.start_step, log)
+  steps = _StepMetrics(cfg, s.schedule, flops, run.mesh.size, writer, ckpt, last_step)
+  overlap = overlaps_steps(run.mesh)
+  state, eval_record, done = s.state, {}, s.start_step
   clock.lap('setup')  # opening the writers is not the first step's data wait
   try:
     for step in range(s.start_step, last_step):
@@ -178,25 +179,27 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock)
       batch = s.get_batch(step)
       seconds = clock.lap('data_wait')
       state, out = train_step(state, batch)
-      # Waiting for every step keeps at most one sharded step in flight: queuing
-      # several has deadlocked XLA's CPU collectives with many fake devices.
-      out = jax.device_get(out)
-      seconds += clock.lap('device_step')
-      tracer.after(step)
-      window.append((out, seconds))
       done = step + 1
-      _check_finite(out, done, cfg.on_nonfinite, ckpt)
-      if done % cfg.log_every == 0 or done == last_step:
-        writer.write(done, _train_record(window, s.schedule(step), tokens_per_step, *flops,
-                                         mesh.size))
-        window = []
+      evaluate = (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step
+      periodic = policy.every and (done % policy.every == 0 or done == last_step)
+      steps.dispatched(done, out)  # reads the previous step's metrics while this one runs
+      if not overlap or evaluate or periodic or tracer.ends_with(step):
+        steps.wait()  # this step's state is used next (or the CPU waits for every step)
+      seconds += clock.lap('device_step')
+      # Processes agree on SIGTERM where every step waits anyway (CPU) or at log
+      # steps; a single process reads its own flag every step.
+      stop = preempted(agree=not overlap or done % cfg.log_every == 0 or done == last_step)
+      if stop:
+        steps.wait()
+      save = periodic or (stop and policy.every)
+      steps.write(done, seconds)  # raises Stopped after a non-finite step
+      tracer.after(step)
       clock.lap('other')
-      if (cfg.eval_every and done % cfg.eval_every == 0) or done == last_step:
+      if evaluate:
         eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
         clock.lap('eval')
         writer.write(done, eval_record)
-      stop = preempted()
-      if policy.every and (done % policy.every == 0 or done == last_step or stop):
+      if save:
         ckpt.save(state, meta)
         log(f'checkpoint {done}: saving to {ckpt.directory}'
             + (' in the background' if policy.async_save else ''))
@@ -205,16 +208,75 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock)
         raise Stopped(f'stopped by SIGTERM after step {done}' + (
             '; checkpoint saved: run the same command to resume' if policy.every else
             '; checkpointing is off (checkpoint.every=0), nothing saved'), 143)
-      clock.lap('checkpoint')  # the save above (and SIGTERM agreement); not step time
+      clock.lap('checkpoint')  # the save above; not step time
   finally:
     tracer.close()
-    writer.write_summary(done)
+    writer.write_summary(steps.last_read or done)
     writer.close()
   if cfg.stop_after and cfg.stop_after < cfg.steps:
     log(f'stopped after step {cfg.stop_after} of {cfg.steps} (stop_after); ' + (
         'run the same command without stop_after to continue' if policy.every else
         'checkpointing is off (checkpoint.every=0): nothing was saved to continue from'))
   return eval_record
+
+
+def overlaps_steps(mesh) -> bool:
+  """Whether the loop keeps a step queued on the device while the host prepares the next.
+
+  Not on a CPU mesh of several devices: queuing several sharded steps there has
+  deadlocked XLA's CPU collectives with many fake devices, so the loop waits
+  for every step (one CPU device has no collectives: it overlaps).
+  """
+  return mesh.devices.flat[0].platform != 'cpu' or mesh.size == 1
+
+
+class _StepMetrics:
+  """Each step's metrics, read to the host, checked, averaged into a record per log step.
+
+  Reading a step's metrics waits for that step; ``dispatched`` reads a step's
+  after the next one was dispatched, so that the device has it queued meanwhile.
+  """
+
+  def __init__(self, cfg, schedule, flops, num_devices, writer, ckpt, last_step):
+    self.cfg, self.schedule, self.flops, self.num_devices = cfg, schedule, flops, num_devices
+    self.writer, self.ckpt, self.last_step = writer, ckpt, last_step
+    self.pending, self.ready, self.window, self.seconds = None, [], [], {}
+    self.last_read = 0  # the last step whose metrics were read
+
+  def dispatched(self, step: int, out) -> None:
+    """Step ``step`` was dispatched: reads the step before it (waits for it)."""
+    if self.pending:
+      self.wait()
+    self.pending = (step, out)
+
+  def wait(self) -> None:
+    """Reads the last dispatched step's metrics (waits for it)."""
+    if self.pending:
+      step, out = self.pending
+      self.ready.append((step, _read(out)))
+      self.pending = None
+
+  def write(self, step: int, seconds: float) -> None:
+    """Checks the steps read (Stopped on a non-finite one) and writes a record at log steps.
+
+    ``seconds``: the wall time of the loop iteration that dispatched ``step``.
+    """
+    self.seconds[step] = seconds
+    for k, out in self.ready:
+      self.last_read = k
+      _check_finite(out, k, self.cfg.on_nonfinite, self.ckpt)
+      self.window.append((out, self.seconds.pop(k)))
+      if k % self.cfg.log_every == 0 or k == self.last_step:
+        self.writer.write(k, _train_record(self.window, self.schedule(k - 1),
+                                           self.cfg.batch_size * self.cfg.seq_len,
+                                           *self.flops, self.num_devices))
+        self.window = []
+    self.ready = []
+
+
+def _read(out) -> dict:
+  """A step's metrics on the host (waits for the step)."""
+  return jax.device_get(out)
 
 
 def checkpoint_meta(run) -> dict:
@@ -245,21 +307,24 @@ def _check_finite(out, step: int, on_nonfinite: str, ckpt) -> None:
 
 @contextlib.contextmanager
 def _preemption_signal():
-  """Yields ``preempted()``: whether SIGTERM arrived (the loop then saves and stops).
+  """Yields ``preempted(agree)``: whether SIGTERM arrived (the loop then saves and stops).
 
   With several processes, SIGTERM reaches them at different moments; they
-  agree (an all-gather of the flags, once per step) so that all save and stop
-  after the same step.
+  agree (an all-gather of the flags, which waits for the step in flight) where
+  the loop passes ``agree=True``, so that all save and stop after the same step;
+  elsewhere they answer False. A single process answers its own flag.
   """
   received = []
   handler = lambda signum, frame: received.append(signum)
   if threading.current_thread() is not threading.main_thread():
-    yield lambda: False
+    yield lambda agree=True: False
     return
 
-  def preempted() -> bool:
+  def preempted(agree: bool = True) -> bool:
     if jax.process_count() == 1:
       return bool(received)
+    if not agree:
+      return False
     flags = multihost_utils.process_allgather(np.int32(bool(received)))
     return bool(np.max(flags))
 
@@ -293,23 +358,24 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
 
 
 def _train_record(window, lr, tokens_per_step, flops_tok, peak, num_devices) -> dict:
+  """A log record: means over ``window``, the steps' (host metrics, seconds) since the last."""
   seconds = sum(dt for _, dt in window) / len(window)
   tokens_per_sec = tokens_per_step / seconds
   flops_per_device = tokens_per_sec * flops_tok / num_devices
+  outs = [o for o, _ in window]
   return {
-      'loss': float(np.mean([o['loss'] for o, _ in window])),
+      'loss': float(np.mean([o['loss'] for o in outs])),
       'learning_rate': float(lr),
-      'grad_norm': float(window[-1][0]['grad_norm']),
+      'grad_norm': float(outs[-1]['grad_norm']),
       'step_time': seconds,
       'tokens_per_sec': tokens_per_sec,
       'tflops_per_device': flops_per_device / 1e12,
       'mfu': flops_per_device / peak,
-      **({'skipped': int(sum(o['skipped'] for o, _ in window))} if 'skipped' in window[0][0]
-         else {}),
+      **({'skipped': int(sum(o['skipped'] for o in outs))} if 'skipped' in outs[0] else {}),
       **metrics_lib.device_memory(),
       # MoE: aux losses, dropped fraction and per-expert load, averaged over the window
-      **{k: np.mean([o[k] for o, _ in window], axis=0).tolist()
-         for k in window[0][0] if k.startswith('moe_')},
+      **{k: np.mean([o[k] for o in outs], axis=0).tolist()
+         for k in outs[0] if k.startswith('moe_')},
   }
 
 

@@ -57,8 +57,9 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
 CATEGORIES = (
     'setup',        # building and placing the state, the peak, the parallelism report
     'compile',      # compiling the train step
-    'data_wait',    # building and placing each step's batch
-    'device_step',  # the train step, dispatched and waited for
+    'data_wait',    # building and placing each step's batch (the device runs the step
+                    # before meanwhile where the loop keeps one queued: trainer/loop.py)
+    'device_step',  # the train step dispatched, and the wait for it (or the one before)
     'eval',         # evals (the eval step compiles at the first)
     'checkpoint',   # saving (asynchronous saves: the hand-off, and waiting for the previous)
     'other',        # writing metrics, the profiler, whatever is left

@@ -5,7 +5,9 @@
 one metrics.jsonl records as step k + 1) into ``WORKDIR/profile/``:
 ``plugins/profile/<time>/<host>.xplane.pb`` for TensorBoard's profile plugin
 (XProf) and ``perfetto_trace.json.gz`` beside it for ui.perfetto.dev. The loop
-waits for every step, so the trace holds exactly those steps.
+waits for the last traced step before the trace stops (``ends_with``); where it
+keeps a step queued (accelerators, trainer/loop.py), the end of the step before
+the first may show too.
 ``profile.dump_hlo`` writes the compiled (optimized, scheduled) HLO of the
 train step to ``WORKDIR/profile/train_step.hlo.txt``.
 """
@@ -52,8 +54,12 @@ class StepTracer:
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
       self.active = True
 
+  def ends_with(self, step: int) -> bool:
+    """Whether the trace stops after update ``step`` (the loop waits for it first)."""
+    return self.active and step + 1 >= self.stop_after
+
   def after(self, step: int) -> None:
-    if self.active and step + 1 >= self.stop_after:
+    if self.ends_with(step):
       self.close()
 
   def close(self) -> None:

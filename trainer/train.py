@@ -74,18 +74,11 @@ def _validated(fn, *args):
 
 
 def _prepare(cfg, args) -> Run:
-  from launch import runtime  # pylint: disable=g-import-not-at-top
   _check_workdir(args.workdir)
   _check_run_lengths(cfg)
   _check_seed(cfg.seed)
-  from parallelism import hardware  # pylint: disable=g-import-not-at-top
-  profile = hardware.get_profile(cfg.hardware.name)
-  runtime.configure_host(runtime.cpu_device_count(cfg.hardware.cpu_devices),
-                         cpu_only=cfg.hardware.name == 'cpu',
-                         tpu_flags=hardware.compiler_flags(profile, cfg.hardware.xla_flags)
-                         if profile.tpu else '')
-  runtime.start_distributed(runtime.distributed_settings(cfg.distributed),
-                            cpu=cfg.hardware.name == 'cpu')
+  profile = _start_jax(cfg)
+  resolve_attention(cfg, profile.platform)
   from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   from trainer import data  # pylint: disable=g-import-not-at-top
   mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -98,6 +91,50 @@ def _prepare(cfg, args) -> Run:
   run = Run(cfg, workdir, mesh, rules, model_cfg, corpus, params)
   run.resume_step = _check_checkpoints(run)
   return run
+
+
+def _start_jax(cfg):
+  """Starts JAX on this machine's platform with the chip's compiler flags.
+
+  Sets ``hardware.name`` to the detected chip's profile ('auto'), or checks that
+  the named one matches the devices; returns the profile. 'cpu' keeps to the
+  CPU (simulated devices) whatever else the machine has.
+  """
+  # pylint: disable=g-import-not-at-top
+  from launch import runtime
+  from parallelism import hardware
+  name = cfg.hardware.name
+  if name != 'auto':
+    hardware.get_profile(name)  # an unknown name: refused before JAX starts
+  platform = 'cpu' if name == 'cpu' else runtime.probe_platform()
+  runtime.configure_host(runtime.cpu_device_count(cfg.hardware.cpu_devices), platform=platform,
+                         compiler_flags=hardware.startup_flags(name, platform,
+                                                               cfg.hardware.xla_flags))
+  runtime.start_distributed(runtime.distributed_settings(cfg.distributed),
+                            cpu=platform == 'cpu')
+  import jax
+  try:
+    devices = jax.devices()
+  except RuntimeError as e:  # a visible TPU or GPU whose JAX plugin is missing or broken
+    extra = {'tpu': 'tpu', 'gpu': 'cuda12'}.get(platform, platform)
+    raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); install '
+                     f"the {extra} extra (pip install -e '.[{extra}]'), or set "
+                     'JAX_PLATFORMS=cpu to train on the CPU') from None
+  profile = hardware.detect(name, [d.device_kind for d in devices])
+  cfg.hardware.name = profile.name
+  return profile
+
+
+def resolve_attention(cfg, platform: str) -> None:
+  """Sets ``model.attention`` to the implementation it names on ``platform``.
+
+  'auto' becomes the one models/attention.py ``choose`` picks (recorded so in
+  config.json and checkpoints); 'cudnn' where it cannot run raises ValueError.
+  """
+  from models import attention  # pylint: disable=g-import-not-at-top
+  m = cfg.model
+  m.attention = attention.choose(m.attention, platform, m.dtype, m.head_dim, cfg.seq_len,
+                                 m.attention_block)
 
 
 def check_layout(cfg, mesh_shape: dict):
