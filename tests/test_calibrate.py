@@ -1,0 +1,41 @@
+"""benchmarks.calibrate: the modeled row from a compiled program, and bad input."""
+
+import os
+
+import pytest
+
+from benchmarks import calibrate
+from parallelism import step_model
+from tests.conftest import ROOT
+
+
+def _error_line(capsys) -> str:
+  err = [l for l in capsys.readouterr().err.strip().splitlines() if not l.startswith('[')]
+  assert len(err) == 1, err
+  return err[0]
+
+
+def test_a_row_is_modeled_from_its_program_and_compared_with_the_measurement():
+  # The checked-in v5p program of tests/data, as if it were a calibration row.
+  row = calibrate.Row('configs/calibration/maxtext_32b_v5p.py', 'v5p:2x2x2', 8, 10 ** 6,
+                      model_flops_per_chip=1e11, measured_mfu=0.5,
+                      hlo_path=os.path.join(ROOT, 'tests', 'data',
+                                            'async_collective_fusion_v5p.hlo'),
+                      coords=None, memory_gib=1.0)
+  chip = step_model.Chip.from_profile('tpu_v5p')
+  m = row.model(chip)
+  assert m['mfu'] == pytest.approx(1e11 / (chip.peak_flops * m['step_seconds']))
+  assert m['error_points'] == pytest.approx(100 * (m['mfu'] - 0.5))
+  assert m['matmul_at_peak_seconds'] <= m['compute_seconds'] <= m['step_seconds']
+  lines = calibrate.table([row])
+  assert lines[0].startswith('| config |') and 'maxtext_32b_v5p' in lines[2]
+
+
+def test_the_default_rows_are_maxtexts_three():
+  assert [os.path.basename(c) for c in calibrate.CONFIGS] == [
+      'maxtext_32b_v5p.py', 'maxtext_128b_v5p.py', 'maxtext_512b_v5p.py']
+
+
+def test_a_config_without_a_measurement_is_refused(capsys):
+  assert calibrate.main(['--configs', 'configs/default.py']) == 2
+  assert 'has no aot.measured_mfu' in _error_line(capsys)
