@@ -292,7 +292,7 @@ def render_aot(aot: dict, plots) -> list[str]:
   for name, s in aot.items():
     for v, m in s['modeled'].items():
       flags = s['variants'][v].get('flag_set')
-      rows.append([name, v + (f' ({flags})' if v == 'xla' and flags else ''),
+      rows.append([name, v + (f" ({flags.strip('()')})" if v == 'xla' and flags else ''),
                    f'{s["variants"][v]["compile_seconds"]:.0f}',
                    f'{m["step_seconds"]:.3f}', f'{m["compute_seconds"]:.3f}',
                    f'{m["exposed_communication_seconds"]:.3f}', f'{m["mfu"]:.1%}',

@@ -266,7 +266,7 @@ def run_variant(args, overrides, name: str, topology: str, chip_flags: str) -> d
         tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['(no output)']
         return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): {tail[0]}'}
       with open(out, encoding='utf-8') as f:
-        results.append(json.load(f) | {'flag_set': extra or '(default threshold)'})
+        results.append(json.load(f) | {'flag_set': extra or 'default threshold'})
     if 'error' in results[-1]:
       return results[-1]
   ranked = sorted(results, key=lambda r: (not r['memory']['fits'],
