@@ -367,7 +367,7 @@ def _check_tokenizer(manifest: dict, data_cfg: Any, vocab_size: int, what: str,
   """The corpus was tokenized as ``data.tokenizer`` says, into ids the model has."""
   tok = manifest['tokenizer']
   path = path or data_cfg.get('eval_path', '')
-  name = "'' (byte-level)" if tok['byte_level'] else repr(tok['spec'])
+  name = "'' (byte-level)" if tok['byte_level'] else repr(tok['path'])
   if tok['vocab_size'] > vocab_size:
     raise ValueError(f'{what}={path!r} was tokenized with {name} ({tok["vocab_size"]} tokens) '
                      f'but model.vocab_size={vocab_size}: the vocabularies do not match')
@@ -378,7 +378,7 @@ def _check_tokenizer(manifest: dict, data_cfg: Any, vocab_size: int, what: str,
           file_sha256(tokenizer_lib.resolve(spec)) == tok['sha256'])
   if not same:
     raise ValueError(f'{what}={path!r} was tokenized with {name}, not data.tokenizer='
-                     f'{spec!r}: set --config.data.tokenizer={tok["spec"] or chr(39) * 2}')
+                     f'{spec!r}: set --config.data.tokenizer={tok["path"] or chr(39) * 2}')
 
 
 def file_sha256(path: str) -> str:
