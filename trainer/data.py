@@ -2,7 +2,7 @@
 
 Sources (``data.path``):
   * a prepared corpus: a directory ``python -m trainer.prepare`` wrote (token
-    shards read through memory maps, an index of document boundaries, the
+    shards read from disk by position, an index of document boundaries, the
     held-out documents apart), or several separated by commas: a mixture,
     weighted by ``data.weights``;
   * ``''``: the embedded default corpus, the Python standard library source of
@@ -15,7 +15,7 @@ Sources (``data.path``):
 Every source becomes :class:`Stream` s: documents in stored order, each
 followed by the tokenizer's end-of-document token, whose tokens are read by
 position. Prepared corpora and token files stay on disk (host memory holds
-their document index, not their tokens). The other sources hold out the last
+their document index, 8 bytes a document, not their tokens). The other sources hold out the last
 ``data.eval_fraction`` of their token stream; a prepared corpus has its
 held-out documents apart, and ``data.eval_path`` can name another's. How
 batches are cut from the streams (shuffling, packing, mixing, prefetching,
@@ -39,9 +39,8 @@ import glob
 import hashlib
 import json
 import math
-import mmap
 import os
-import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -54,10 +53,7 @@ TOKENIZER_VOCAB = tokenizer_lib.BYTE_TOKENIZER_VOCAB
 FORMAT = 'ringtrain-prepared-1'
 MANIFEST = 'corpus.json'
 SPLITS = ('train', 'eval')
-# Pages of memory-mapped shards a process has touched count as its memory (RSS)
-# until released; after this many bytes read they are released (the kernel keeps
-# them cached), so a process's memory does not grow with the corpus it reads.
-RELEASE_BYTES = 64 << 20
+
 
 
 def default_corpus_files() -> list[str]:
@@ -94,17 +90,17 @@ def bounds_of(lengths: np.ndarray) -> np.ndarray:
 class Stream:
   """Documents in stored order, their tokens read by position.
 
-  ``shards`` are 1-D integer arrays (memory maps for prepared corpora and token
-  files) read as one sequence; ``bounds`` (int64) are where documents start in
-  it, then its length. ``byte_counts`` (held-out splits of tokenizers other than
+  ``shards`` are 1-D integer arrays (:class:`FileArray` s for prepared corpora)
+  read as one sequence; ``bounds`` (int64) are where documents start in it,
+  then its length. ``byte_counts`` (held-out splits of tokenizers other than
   bytes): per token, the UTF-8 bytes of text it stands for.
   """
 
-  def __init__(self, shards, bounds, byte_counts=None, maps=()):
+  def __init__(self, shards, bounds, byte_counts=None):
     self.shards, self.byte_counts = list(shards), byte_counts
+    self.dtype = self.shards[0].dtype  # of every shard
     self._base = [0] + np.cumsum([len(s) for s in self.shards]).tolist()
     self.bounds = np.asarray(bounds, np.int64)
-    self._maps, self._unreleased, self._lock = list(maps), 0, threading.Lock()
 
   @property
   def num_tokens(self) -> int:
@@ -116,30 +112,46 @@ class Stream:
 
   def tokens(self) -> np.ndarray:
     """All tokens as one array (small streams and tests)."""
-    out = np.empty(self.num_tokens, np.int32)
+    out = np.empty(self.num_tokens, self.dtype)
     self.read(0, self.num_tokens, out)
-    return out
+    return out.astype(np.int32)
 
   def read(self, start: int, stop: int, out: np.ndarray, counts: bool = False) -> None:
-    """Copies tokens (or byte counts) ``[start, stop)`` into ``out``."""
+    """Copies tokens (or byte counts) ``[start, stop)`` into ``out``, of their dtype."""
     arrays = self.byte_counts if counts else self.shards
     i = bisect.bisect_right(self._base, start) - 1
     at = start
     while at < stop:
       end = min(stop, self._base[i + 1])
-      out[at - start:end - start] = arrays[i][at - self._base[i]:end - self._base[i]]
+      part, begin = arrays[i], self._base[i]
+      if isinstance(part, FileArray):
+        part.read_into(at - begin, out[at - start:end - start])
+      else:
+        out[at - start:end - start] = part[at - begin:end - begin]
       at, i = end, i + 1
-    if self._maps:
-      self._release_now_and_then(stop - start)
 
-  def _release_now_and_then(self, count: int) -> None:
-    with self._lock:
-      self._unreleased += count * self.shards[0].itemsize
-      if self._unreleased < RELEASE_BYTES:
-        return
-      self._unreleased = 0
-    for m in self._maps:
-      m.madvise(mmap.MADV_DONTNEED)
+
+class FileArray:
+  """A 1-D array in a file whose slices are read with ``pread``.
+
+  Nothing is mapped into the process: what it reads stays in the kernel's
+  page cache, not in its resident memory, however much of the file it reads
+  (pages of a memory map would count as its own until released).
+  """
+
+  def __init__(self, path: str, dtype: str, count: int):
+    self.dtype, self.count = np.dtype(dtype), count
+    self._fd = os.open(path, os.O_RDONLY)
+    self._finalizer = weakref.finalize(self, os.close, self._fd)
+
+  def __len__(self) -> int:
+    return self.count
+
+  def read_into(self, start: int, out: np.ndarray) -> None:
+    """Items ``start`` ... into ``out`` (contiguous, of this dtype), one system call."""
+    want = out.nbytes
+    if os.preadv(self._fd, [out], start * self.dtype.itemsize) != want:
+      raise OSError(f'a shard ended early: {want} bytes at item {start} of {self.count}')
 
 
 def _split_stream(tokens, counts, bounds, split: int) -> tuple[Stream, Stream]:
@@ -289,36 +301,34 @@ def read_manifest(path: str, what: str = 'data.path') -> dict:
 
 
 def open_prepared(path: str, split: str, what: str = 'data.path') -> tuple[dict, Stream]:
-  """(manifest, the ``split`` documents as a Stream of memory-mapped shards)."""
+  """(manifest, the ``split`` documents as a Stream of shards read from disk)."""
   manifest = read_manifest(path, what)
   info = manifest['splits'][split]
   if not info['tokens']:
     raise ValueError(f'{what}={path!r} has no {"held-out" if split == "eval" else split} '
                      f'documents (see its {MANIFEST})')
-  shards, counts, bounds, maps = [], [], [[0]], []
+  shards, counts, bounds = [], [], [[0]]
   with_counts = split == 'eval' and not manifest['tokenizer']['byte_level']
   for shard in info['shards']:
-    tokens, m = _map(path, shard['name'] + '.bin', manifest['dtype'], shard['tokens'], what)
-    index, _ = _map(path, shard['name'] + '.idx', 'int64', shard['documents'] + 1, what)
-    shards.append(tokens)
-    maps.append(m)
+    name, n, dtype = shard['name'], shard['tokens'], manifest['dtype']
+    shards.append(FileArray(_file(path, name + '.bin', dtype, n, what), dtype, n))
+    index = np.fromfile(_file(path, name + '.idx', 'int64', shard['documents'] + 1, what),
+                        np.int64)
     bounds.append(index[1:] + bounds[-1][-1])
     if with_counts:
-      counts.append(_map(path, shard['name'] + '.bytes', 'int32', shard['tokens'], what)[0])
-  return manifest, Stream(shards, np.concatenate(bounds), counts if with_counts else None, maps)
+      counts.append(FileArray(_file(path, name + '.bytes', 'int32', n, what), 'int32', n))
+  return manifest, Stream(shards, np.concatenate(bounds), counts if with_counts else None)
 
 
-def _map(path: str, name: str, dtype: str, count: int, what: str):
-  """(array, mmap) of file ``name`` holding ``count`` items; ValueError if it does not."""
+def _file(path: str, name: str, dtype: str, count: int, what: str) -> str:
+  """The path of file ``name`` if it holds ``count`` items of ``dtype``; else ValueError."""
   file = os.path.join(path, name)
   size = os.path.getsize(file) if os.path.isfile(file) else None
   if size != count * np.dtype(dtype).itemsize:
     raise ValueError(f'{what}={path!r} is damaged: {name} ' + (
         'is missing' if size is None else f'has {size} bytes, its {MANIFEST} says '
         f'{count * np.dtype(dtype).itemsize}'))
-  with open(file, 'rb') as f:
-    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-  return (np.frombuffer(m, dtype) if m else np.zeros(0, dtype)), m
+  return file
 
 
 def _load_prepared(data_cfg: Any, vocab_size: int) -> Data:

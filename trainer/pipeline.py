@@ -64,55 +64,71 @@ class Packer:
           del self._orders[old]
       return self._orders[epoch]
 
-  def read(self, first_seq: int, tokens: np.ndarray, starts: np.ndarray) -> None:
-    """Sequences ``first_seq``, ``first_seq`` + 1, ... into the rows of ``tokens``.
+  def runs(self, first_seq: int, count: int):
+    """(epoch, sequence in it, how many): sequences ``first_seq`` ... in contiguous runs."""
+    while count:
+      epoch, seq = divmod(first_seq, self.per_epoch)
+      n = min(count, self.per_epoch - seq)
+      yield epoch, seq, n
+      first_seq, count = first_seq + n, count - n
 
-    ``starts`` (rows x seq_len, False on entry) gets True where a document starts.
-    """
-    row, count = 0, len(tokens)
-    while row < count:
-      epoch, seq = divmod(first_seq + row, self.per_epoch)
-      n = min(count - row, self.per_epoch - seq)  # consecutive: one contiguous read
-      flat = np.empty(n * self.seq_len + 1, np.int32)
-      flat_starts = np.zeros(n * self.seq_len, bool)
-      read_ordered(self.stream, self.order(epoch), seq * self.seq_len, flat, flat_starts)
-      windows = np.lib.stride_tricks.sliding_window_view(flat, self.seq_len + 1)
-      tokens[row:row + n] = windows[::self.seq_len]
-      starts[row:row + n] = flat_starts.reshape(n, self.seq_len)
-      row += n
+  def read(self, epoch: int, seq: int, n: int) -> tuple[np.ndarray, list[int]]:
+    """Sequences ``seq`` ... ``seq + n - 1`` of ``epoch``, back to back (n * seq_len + 1
+    tokens: sequence i is [i * seq_len, (i + 1) * seq_len]), and where documents begin."""
+    tokens = np.empty(n * self.seq_len + 1, np.int32)
+    begins = read_ordered(self.stream, self.order(epoch), seq * self.seq_len, tokens)
+    return tokens, begins
 
 
-def read_ordered(stream: data_lib.Stream, order, start: int, tokens: np.ndarray,
-                 starts: np.ndarray) -> None:
-  """Tokens ``start`` ... of the documents concatenated in ``order`` = (perm, where each starts).
-
-  Marks in ``starts`` where documents begin (the first position excepted).
-  """
+def read_ordered(stream: data_lib.Stream, order, start: int, tokens: np.ndarray) -> list[int]:
+  """Tokens ``start`` ... of the documents concatenated in ``order`` = (perm, where each
+  starts), into ``tokens``; returns where in ``tokens`` documents begin (0 left out)."""
   perm, cum = order
   stop = start + len(tokens)
-  k = int(np.searchsorted(cum, start, 'right')) - 1
-  at = start
-  while at < stop:
-    begin, end = int(cum[k]), min(stop, int(cum[k + 1]))
-    doc = k if perm is None else int(perm[k])
-    source = int(stream.bounds[doc]) + at - begin
-    stream.read(source, source + end - at, tokens[at - start:end - start])
-    if at == begin and 0 < at - start < len(starts):
-      starts[at - start] = True
-    at, k = end, k + 1
+  first = int(np.searchsorted(cum, start, 'right')) - 1
+  last = int(np.searchsorted(cum, stop, 'left'))  # documents first ... last - 1 overlap
+  docs = np.arange(first, last) if perm is None else perm[first:last]
+  raw = tokens if tokens.dtype == stream.dtype else np.empty(len(tokens), stream.dtype)
+  begins = []
+  for begin, end, source in zip(cum[first:last].tolist(), cum[first + 1:last + 1].tolist(),
+                                stream.bounds[docs].tolist()):
+    a, b = max(begin, start), min(end, stop)
+    stream.read(source + a - begin, source + b - begin, raw[a - start:b - start])
+    if begin > start:
+      begins.append(begin - start)
+  if raw is not tokens:
+    tokens[:] = raw
+  return begins
 
 
-def examples(tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
-  """Packed examples from rows of ``seq_len`` + 1 tokens and where documents start."""
-  starts[:, 0] = False
-  ar = np.arange(starts.shape[1], dtype=np.int32)
-  return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-          'positions': ar - np.maximum.accumulate(np.where(starts, ar, 0), axis=1),
-          'segments': np.cumsum(starts, axis=1, dtype=np.int32)}
+def examples(inputs: np.ndarray, targets: np.ndarray, begins: list[int]) -> dict:
+  """Packed examples: ``begins`` are where documents begin in ``inputs``, flattened.
+
+  ``segments`` count the documents of a row from 0; ``positions`` restart at
+  each document and at the row's start.
+  """
+  rows, seq_len = inputs.shape
+  size = rows * seq_len
+  cuts = np.unique(np.concatenate([np.arange(0, size, seq_len), begins])).astype(np.int32)
+  cuts = cuts[cuts < size]  # not a document that begins at the last target only
+  lengths = np.diff(cuts, append=size)
+  k = np.arange(len(cuts), dtype=np.int32)
+  segment = k - np.maximum.accumulate(np.where(cuts % seq_len == 0, k, 0))
+  return {'inputs': inputs, 'targets': targets,
+          'positions': (_arange(size) - np.repeat(cuts, lengths)).reshape(rows, seq_len),
+          'segments': np.repeat(segment, lengths).reshape(rows, seq_len)}
 
 
-def _empty(rows: int, seq_len: int):
-  return np.empty((rows, seq_len + 1), np.int32), np.zeros((rows, seq_len), bool)
+@functools.lru_cache(maxsize=8)
+def _arange(size: int) -> np.ndarray:
+  out = np.arange(size, dtype=np.int32)
+  out.flags.writeable = False
+  return out
+
+
+def _rows(flat: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets) of sequences stored back to back, as views."""
+  return flat[:-1].reshape(-1, seq_len), flat[1:].reshape(-1, seq_len)
 
 
 # ------------------------------------------------------------------ training
@@ -133,11 +149,11 @@ def _window_rows(stream, seed, batch_size, seq_len, rows, step):
   """Random windows, drawn from (seed, step) with replacement."""
   rng = np.random.default_rng((seed, step))
   offsets = rng.integers(0, stream.num_tokens - seq_len, size=batch_size)
-  tokens, starts = _empty(len(rows), seq_len)
-  no_order = (None, stream.bounds)
+  tokens, begins = np.empty((len(rows), seq_len + 1), np.int32), []
   for i, offset in enumerate(offsets[rows].tolist()):
-    read_ordered(stream, no_order, offset, tokens[i], starts[i])
-  return examples(tokens, starts)
+    found = read_ordered(stream, (None, stream.bounds), offset, tokens[i])
+    begins += [i * seq_len + b for b in found]
+  return examples(tokens[:, :-1], tokens[:, 1:], begins)
 
 
 def _mixture(packers: list[Packer], weights) -> grain.MapDataset | None:
@@ -157,16 +173,26 @@ def _packed_rows(packers, mixture, batch_size, rows, step):
   """Each run of rows that holds consecutive sequences of one corpus is read at once."""
   first = step * batch_size
   picks = [(0, first + r) if mixture is None else mixture[first + r] for r in rows.tolist()]
-  tokens, starts = _empty(len(rows), packers[0].seq_len)
-  i = 0
+  seq_len = packers[0].seq_len
+  runs, i = [], 0
   while i < len(picks):
     corpus, seq = picks[i]
     n = 1
     while i + n < len(picks) and picks[i + n] == (corpus, seq + n):
       n += 1
-    packers[corpus].read(seq, tokens[i:i + n], starts[i:i + n])
+    runs += [(i, packers[corpus]) + run for run in packers[corpus].runs(seq, n)]
     i += n
-  return examples(tokens, starts)
+  if len(runs) == 1:  # the common case: the rows are views of one read
+    flat, begins = runs[0][1].read(*runs[0][2:])
+    return examples(*_rows(flat, seq_len), begins)
+  tokens, begins, row = np.empty((len(picks), seq_len + 1), np.int32), [], 0
+  for _, packer, epoch, seq, n in runs:
+    flat, found = packer.read(epoch, seq, n)
+    tokens[row:row + n, :-1] = flat[:-1].reshape(n, seq_len)
+    tokens[row:row + n, -1] = flat[seq_len::seq_len]
+    begins += [row * seq_len + b for b in found]
+    row += n
+  return examples(tokens[:, :-1], tokens[:, 1:], begins)
 
 
 class TrainBatches:
@@ -178,8 +204,7 @@ class TrainBatches:
   """
 
   def __init__(self, dataset: grain.MapDataset, sharding, batch_size: int, prefetch: int):
-    self._dataset = dataset.to_iter_dataset(
-        grain.ReadOptions(num_threads=min(prefetch, 2), prefetch_buffer_size=prefetch))
+    self._dataset = dataset.to_iter_dataset(read_options(prefetch))
     self._sharding, self._batch_size = sharding, batch_size
     self._iterator, self._last = None, (None, None)
 
@@ -206,6 +231,14 @@ class TrainBatches:
       self._iterator.close()
 
 
+def read_options(prefetch: int) -> grain.ReadOptions:
+  """``prefetch`` batches built ahead by one background thread (0: none, built when asked).
+
+  One thread: batches are mostly Python, so more threads only contend for the GIL.
+  """
+  return grain.ReadOptions(num_threads=min(prefetch, 1), prefetch_buffer_size=prefetch)
+
+
 def identity(data: data_lib.Data, batch_size: int, seq_len: int) -> dict:
   """What defines the training batches, beyond the seed; a resume must match it.
 
@@ -227,10 +260,12 @@ def eval_rows(data: data_lib.Data, index: int, batch_size: int, seq_len: int,
   each target accounts for (-1: end of document).
   """
   packer = Packer(data.eval, seq_len, None)
-  tokens, starts = _empty(len(rows), seq_len)
+  tokens, begins = np.empty((len(rows), seq_len + 1), np.int32), []
   for i, r in enumerate(rows.tolist()):
-    packer.read(index * batch_size + r, tokens[i:i + 1], starts[i:i + 1])
-  out = examples(tokens, starts)
+    flat, found = packer.read(0, index * batch_size + r, 1)
+    tokens[i] = flat
+    begins += [i * seq_len + b for b in found]
+  out = examples(tokens[:, :-1], tokens[:, 1:], begins)
   if data.eval.byte_counts is not None:
     out['target_bytes'] = np.empty((len(rows), seq_len), np.int32)
     for i, r in enumerate(rows.tolist()):
