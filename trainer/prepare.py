@@ -62,7 +62,7 @@ def parse_args(argv):
                  help='share of documents held out (default 0.01)')
   p.add_argument('--workers', type=int, default=os.cpu_count() or 1,
                  help='tokenizing processes (default: one per CPU)')
-  p.add_argument('--shard_size_mb', type=int, default=512, help='token shard size (MiB)')
+  p.add_argument('--shard_size_mb', type=float, default=512, help='token shard size (MiB)')
   return p.parse_args(argv)
 
 
@@ -280,7 +280,8 @@ def _write_json(path: str, obj) -> None:
 
 # ---------------------------------------------------------------- the run
 
-def run_units(units: list[dict], work_dir: str, args, dtype: str) -> list[dict]:
+def run_units(units: list[dict], files: list[str], work_dir: str, args,
+              dtype: str) -> list[dict]:
   """Tokenizes the units not done yet in ``args.workers`` processes; returns every unit's counts."""
   done = {}
   for i in range(len(units)):
@@ -303,6 +304,8 @@ def run_units(units: list[dict], work_dir: str, args, dtype: str) -> list[dict]:
         for future in futures:
           future.cancel()
         raise
+  if not sum(s['train']['tokens'] + s['eval']['tokens'] for s in done.values()):
+    raise ValueError(f'corpus is empty: {len(files)} file(s) hold no text')
   progress.finish(done)
   return [done[i] for i in range(len(units))]
 
@@ -312,7 +315,8 @@ class Progress:
 
   def __init__(self, units: list[dict], done: dict):
     self.total = sum(u['bytes'] for u in units)
-    self.units, self.start, self.printed = len(units), time.time(), 0.0
+    self.units, self.start = len(units), time.time()
+    self.printed = self.start
     self.before = sum(s['bytes'] for s in done.values())  # done by an earlier run
     self.live = sys.stderr.isatty()
 
@@ -402,8 +406,8 @@ def check_args(args) -> None:
     raise ValueError(f'--eval_fraction={args.eval_fraction} is not in [0, 1]')
   if args.workers < 1:
     raise ValueError(f'--workers={args.workers} must be at least 1')
-  if args.shard_size_mb < 1:
-    raise ValueError(f'--shard_size_mb={args.shard_size_mb} must be at least 1')
+  if not args.shard_size_mb > 0:
+    raise ValueError(f'--shard_size_mb={args.shard_size_mb} must be > 0')
 
 
 def prepare(args) -> int:
@@ -427,14 +431,11 @@ def prepare(args) -> int:
   _write_json(os.path.join(work_dir, 'plan.json'), {'source': source})
   dtype = 'uint16' if tok.vocab_size <= 2**16 else 'uint32'
   try:
-    stats = run_units(units, work_dir, args, dtype)
+    stats = run_units(units, files, work_dir, args, dtype)
   except ValueError:  # bad input found while reading: leave nothing behind
     shutil.rmtree(work_dir if existed else args.output, ignore_errors=True)
     raise
-  if not sum(s['train']['tokens'] + s['eval']['tokens'] for s in stats):
-    shutil.rmtree(work_dir if existed else args.output, ignore_errors=True)
-    raise ValueError(f'corpus is empty: {len(files)} file(s) hold no text')
-  splits = assemble(args.output, work_dir, stats, args.shard_size_mb << 20, dtype,
+  splits = assemble(args.output, work_dir, stats, int(args.shard_size_mb * 2**20), dtype,
                     not tok.byte_level)
   manifest = {'format': data_lib.FORMAT, 'fingerprint': _digest(source), 'source': source,
               'tokenizer': _tokenizer_record(tok, args.tokenizer), 'dtype': dtype,
