@@ -154,3 +154,27 @@ def test_training_refuses_a_corpus_of_another_vocabulary_or_tokenizer(tmp_path, 
   assert err == (f"error: data.path='{out}' was tokenized with '{spec}', not "
                  f"data.tokenizer='': set --config.data.tokenizer={spec}"), err
   assert not (tmp_path / 'run').exists()
+
+
+def test_quick_start_prepare_train_resume_evaluate(tmp_path, capsys):
+  """The README's real-corpus path on a small corpus: every step's command, in process."""
+  from tests.test_cli import TINY  # pylint: disable=import-outside-toplevel
+  from trainer import evaluate  # pylint: disable=import-outside-toplevel
+  _inputs(tmp_path / 'in', n=200)
+  out, run = str(tmp_path / 'corpus'), str(tmp_path / 'run')
+  assert _run('--input', tmp_path / 'in/*.jsonl', tmp_path / 'in/*.parquet', '--output', out,
+              '--eval_fraction', '0.3') == 0
+  argv = ['--config', DEFAULT, '--workdir', run, *TINY, f'--config.data.path={out}',
+          '--config.steps=4', '--config.checkpoint.every=2', '--config.eval_every=0']
+  assert train.main(argv + ['--config.stop_after=2']) == 0
+  assert train.main(argv) == 0
+  assert 'resuming from step 2' in capsys.readouterr().out
+  with open(os.path.join(run, 'metrics.jsonl')) as f:
+    last_eval = [r for r in map(json.loads, f) if 'eval_bpb' in r][-1]
+  assert evaluate.main(['--checkpoint', run]) == 0
+  record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert record['step'] == 4 and record['tokens'] == 2 * 8 * 32
+  assert record['eval_bpb'] == pytest.approx(last_eval['eval_bpb'], rel=1e-6)
+  assert evaluate.main(['--checkpoint', str(tmp_path / 'nowhere')]) == 2
+  assert capsys.readouterr().err.strip() == (f'error: no such checkpoint path: '
+                                             f'{tmp_path / "nowhere"}')

@@ -59,6 +59,11 @@ def prepare(args, overrides) -> Run:
   return _validated(_prepare, cfg, args)
 
 
+def prepare_loaded(cfg, workdir: str) -> Run:
+  """prepare() for a config already loaded (trainer/evaluate.py)."""
+  return _validated(_prepare, cfg, argparse.Namespace(config='', workdir=workdir))
+
+
 def _validated(fn, *args):
   """``fn(*args)``, its ValueErrors (bad input) raised as ConfigError.
 
