@@ -84,7 +84,7 @@ def get_config() -> ml_collections.ConfigDict:
                               # tokens | 'synthetic'
   c.data.weights = ''         # mixture: each corpus's share of the sequences, e.g. '3,1' ('': by size)
   c.data.eval_path = ''       # prepared corpus whose held-out documents evals score ('': data.path's)
-  c.data.prefetch = 2         # batches built ahead in background threads (0: when needed)
+  c.data.prefetch = 4         # batches built ahead by a background thread (0: when needed)
   c.data.bin_dtype = 'uint16' # dtype of raw .bin token files: uint16 | uint32
   c.data.eval_fraction = 0.1  # held-out tail of the token stream (sources other than prepared ones)
   # Text tokenizer (trainer/tokenizer.py): '' byte-level | a local tokenizer.json

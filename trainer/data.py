@@ -118,17 +118,21 @@ class Stream:
 
   def read(self, start: int, stop: int, out: np.ndarray, counts: bool = False) -> None:
     """Copies tokens (or byte counts) ``[start, stop)`` into ``out``, of their dtype."""
-    arrays = self.byte_counts if counts else self.shards
-    i = bisect.bisect_right(self._base, start) - 1
-    at = start
-    while at < stop:
-      end = min(stop, self._base[i + 1])
-      part, begin = arrays[i], self._base[i]
+    cuts = [start] + [b for b in self._base if start < b < stop] + [stop]
+    self.gather(cuts[:-1], [b - a for a, b in zip(cuts, cuts[1:])], out, counts)
+
+  def gather(self, starts: list[int], lengths: list[int], out: np.ndarray,
+             counts: bool = False) -> None:
+    """Copies the ranges ``[start, start + length)`` (none across shards) back to back."""
+    arrays, base, at = self.byte_counts if counts else self.shards, self._base, 0
+    for start, length in zip(starts, lengths):
+      i = bisect.bisect_right(base, start) - 1
+      part, local = arrays[i], start - base[i]
       if isinstance(part, FileArray):
-        part.read_into(at - begin, out[at - start:end - start])
+        part.read_into(local, out[at:at + length])
       else:
-        out[at - start:end - start] = part[at - begin:end - begin]
-      at, i = end, i + 1
+        out[at:at + length] = part[local:local + length]
+      at += length
 
 
 class FileArray:

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
   s = loop.setup(run)
   record = loop._evaluate(s.eval_step, s.state.params, s.eval_batches)  # pylint: disable=protected-access
   cfg = run.cfg
-  print(json.dumps({'checkpoint': args.checkpoint, 'step': checkpoint.resolve(args.checkpoint)[1],
+  step = checkpoint.resolve(args.checkpoint)[1]
+  print(json.dumps({'checkpoint': args.checkpoint, 'step': step,
                     'tokens': cfg.eval_steps * cfg.batch_size * cfg.seq_len,
                     'held_out': cfg.data.eval_path or cfg.data.path, **record}))
   return 0

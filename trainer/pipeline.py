@@ -20,7 +20,7 @@ documents within a row, ``positions`` restart at each document (and at the
 row's start), and attention never crosses a document boundary.
 
 Grain runs the loop: a ``MapDataset`` of steps whose ``to_iter_dataset``
-iterator builds the next ``data.prefetch`` batches in background threads while
+iterator builds the next ``data.prefetch`` batches in a background thread while
 the devices train. Its state (``{'next_index': step}``) is the data position a
 checkpoint stores (trainer/checkpoint.py). Held-out batches are consecutive
 sequences of the held-out documents in stored order, the same at every eval.
@@ -39,7 +39,7 @@ import numpy as np
 
 from trainer import data as data_lib
 
-EPOCHS_CACHED = 2  # document orders kept per corpus (prefetch threads may straddle an epoch)
+EPOCHS_CACHED = 2  # document orders kept per corpus (prefetching may straddle an epoch)
 
 
 class Packer:
@@ -89,13 +89,15 @@ def read_ordered(stream: data_lib.Stream, order, start: int, tokens: np.ndarray)
   last = int(np.searchsorted(cum, stop, 'left'))  # documents first ... last - 1 overlap
   docs = np.arange(first, last) if perm is None else perm[first:last]
   raw = tokens if tokens.dtype == stream.dtype else np.empty(len(tokens), stream.dtype)
-  begins = []
+  sources, lengths, begins = [], [], []
   for begin, end, source in zip(cum[first:last].tolist(), cum[first + 1:last + 1].tolist(),
                                 stream.bounds[docs].tolist()):
     a, b = max(begin, start), min(end, stop)
-    stream.read(source + a - begin, source + b - begin, raw[a - start:b - start])
+    sources.append(source + a - begin)
+    lengths.append(b - a)
     if begin > start:
       begins.append(begin - start)
+  stream.gather(sources, lengths, raw)
   if raw is not tokens:
     tokens[:] = raw
   return begins
@@ -105,18 +107,21 @@ def examples(inputs: np.ndarray, targets: np.ndarray, begins: list[int]) -> dict
   """Packed examples: ``begins`` are where documents begin in ``inputs``, flattened.
 
   ``segments`` count the documents of a row from 0; ``positions`` restart at
-  each document and at the row's start.
+  each document and at the row's start. (Cuts are few: Python lists beat numpy's
+  per-call cost on them; only the per-token arrays are numpy's.)
   """
   rows, seq_len = inputs.shape
   size = rows * seq_len
-  cuts = np.unique(np.concatenate([np.arange(0, size, seq_len), begins])).astype(np.int32)
-  cuts = cuts[cuts < size]  # not a document that begins at the last target only
-  lengths = np.diff(cuts, append=size)
-  k = np.arange(len(cuts), dtype=np.int32)
-  segment = k - np.maximum.accumulate(np.where(cuts % seq_len == 0, k, 0))
-  return {'inputs': inputs, 'targets': targets,
-          'positions': (_arange(size) - np.repeat(cuts, lengths)).reshape(rows, seq_len),
-          'segments': np.repeat(segment, lengths).reshape(rows, seq_len)}
+  cuts = sorted(set(range(0, size, seq_len)).union(b for b in begins if b < size))
+  lengths = [b - a for a, b in zip(cuts, cuts[1:] + [size])]
+  segment, ids = 0, []
+  for cut in cuts:
+    segment = 0 if cut % seq_len == 0 else segment + 1
+    ids.append(segment)
+  positions = np.repeat(np.array(cuts, np.int32), lengths)
+  np.subtract(_arange(size), positions, out=positions)
+  return {'inputs': inputs, 'targets': targets, 'positions': positions.reshape(rows, seq_len),
+          'segments': np.repeat(np.array(ids, np.int32), lengths).reshape(rows, seq_len)}
 
 
 @functools.lru_cache(maxsize=8)
@@ -296,7 +301,7 @@ def make(data: data_lib.Data, cfg: Any, sharding) -> tuple[TrainBatches, list]:
   """(training batches, held-out batches) of a run, each process building its rows."""
   rows = local_rows(sharding, (cfg.batch_size, cfg.seq_len))
   batches = TrainBatches(train_dataset(data, cfg.seed, cfg.batch_size, cfg.seq_len, rows),
-                         sharding, cfg.batch_size, cfg.data.get('prefetch', 2))
+                         sharding, cfg.batch_size, cfg.data.prefetch)
   held = [to_global(eval_rows(data, i, cfg.batch_size, cfg.seq_len, rows), sharding,
                     cfg.batch_size) for i in range(cfg.eval_steps)]
   return batches, held
