@@ -218,7 +218,8 @@ def _load_in_memory(data_cfg: Any, vocab_size: int, seed: int) -> Data:
     tokens = _map_token_file(path, data_cfg.bin_dtype, vocab_size)
     byte_level, eos, desc, lengths = False, None, f'token file {path}', [len(tokens)]
   else:
-    files = _text_files(path)
+    files = glob_files(path, 'data.path=', '*.txt', f' that is not a prepared corpus (no '
+                       f'{MANIFEST}: python -m trainer.prepare writes one)')
     tokens, counts, lengths = _read_text(files, tok)
     desc = f'{len(files)} text file(s) from {path}'
   if counts is not None and not tok.byte_level:
@@ -236,16 +237,15 @@ def _load_in_memory(data_cfg: Any, vocab_size: int, seed: int) -> Data:
   return Data((train,), (1.0,), held, False, byte_level, eos, desc, identity)
 
 
-def _text_files(path: str) -> list[str]:
-  files = sorted(glob.glob(path))
+def glob_files(pattern: str, what: str, example: str, note: str = '') -> list[str]:
+  """The files ``pattern`` matches, sorted; ValueError naming ``what`` for none or a directory."""
+  files = sorted(glob.glob(pattern))
   if not files:
-    raise ValueError(f'data.path={path!r} matches no file')
+    raise ValueError(f'{what}{pattern!r} matches no file')
   folders = [f for f in files if os.path.isdir(f)]
   if folders:
-    raise ValueError(f'data.path={path!r} names a directory ({folders[0]}) that is not a '
-                     f'prepared corpus (no {MANIFEST}): prepare it with python -m '
-                     f'trainer.prepare, or name text files, e.g. '
-                     f'{os.path.join(folders[0], "*.txt")}')
+    raise ValueError(f'{what}{pattern!r} names a directory ({folders[0]}){note}: name files, '
+                     f'e.g. {os.path.join(folders[0], example)}')
   return files
 
 

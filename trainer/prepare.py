@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import glob
 import hashlib
 import json
 import multiprocessing
@@ -70,17 +69,10 @@ def parse_args(argv):
 
 def expand(patterns: list[str]) -> list[str]:
   """The files ``patterns`` name, each pattern sorted, in order; ValueError if one names none."""
-  files = []
+  files = {}  # ordered, without repeats
   for pattern in patterns:
-    found = sorted(glob.glob(pattern))
-    if not found:
-      raise ValueError(f'--input {pattern!r} matches no file')
-    folders = [f for f in found if os.path.isdir(f)]
-    if folders:
-      raise ValueError(f'--input {pattern!r} names a directory ({folders[0]}): name files, '
-                       f'e.g. {os.path.join(folders[0], "*.jsonl")}')
-    files += [f for f in found if f not in files]
-  return files
+    files.update(dict.fromkeys(data_lib.glob_files(pattern, '--input ', '*.jsonl')))
+  return list(files)
 
 
 def kind_of(path: str) -> str:
@@ -136,28 +128,21 @@ def _text_of(record: dict, field: str, path: str, offset: int) -> str:
 
 def plan(files: list[str]) -> list[dict]:
   """Pieces of work in input order: byte ranges of JSONL, row groups, runs of text files."""
-  units, texts = [], []
-
-  def flush():
-    if texts:
-      units.append({'kind': 'text', 'files': list(texts),
-                    'bytes': sum(os.path.getsize(f) for f in texts)})
-      texts.clear()
-
-  for path in files:
-    size, kind = os.path.getsize(path), kind_of(path)
+  units, texts, size = [], [], 0
+  for path in files + [None]:  # None: the end
+    kind = kind_of(path) if path else None
+    if texts and (kind != 'text' or size >= UNIT_BYTES):
+      units.append({'kind': 'text', 'files': texts, 'bytes': size})
+      texts, size = [], 0
     if kind == 'text':
       texts.append(path)
-      if sum(os.path.getsize(f) for f in texts) >= UNIT_BYTES:
-        flush()
-      continue
-    flush()
-    if kind == 'jsonl':
-      units += [{'kind': kind, 'file': path, 'start': a, 'stop': min(size, a + UNIT_BYTES),
-                 'bytes': min(size, a + UNIT_BYTES) - a} for a in range(0, size, UNIT_BYTES)]
-    else:
+      size += os.path.getsize(path)
+    elif kind == 'jsonl':
+      end = os.path.getsize(path)
+      units += [{'kind': kind, 'file': path, 'start': a, 'stop': min(end, a + UNIT_BYTES),
+                 'bytes': min(end, a + UNIT_BYTES) - a} for a in range(0, end, UNIT_BYTES)]
+    elif kind == 'parquet':
       units += _row_group_units(path)
-  flush()
   return units
 
 
