@@ -185,13 +185,13 @@ def _packed_rows(packers, mixture, batch_size, rows, step):
     n = 1
     while i + n < len(picks) and picks[i + n] == (corpus, seq + n):
       n += 1
-    runs += [(i, packers[corpus]) + run for run in packers[corpus].runs(seq, n)]
+    runs += [(packers[corpus],) + run for run in packers[corpus].runs(seq, n)]
     i += n
   if len(runs) == 1:  # the common case: the rows are views of one read
-    flat, begins = runs[0][1].read(*runs[0][2:])
+    flat, begins = runs[0][0].read(*runs[0][1:])
     return examples(*_rows(flat, seq_len), begins)
   tokens, begins, row = np.empty((len(picks), seq_len + 1), np.int32), [], 0
-  for _, packer, epoch, seq, n in runs:
+  for packer, epoch, seq, n in runs:
     flat, found = packer.read(epoch, seq, n)
     tokens[row:row + n, :-1] = flat[:-1].reshape(n, seq_len)
     tokens[row:row + n, -1] = flat[seq_len::seq_len]
@@ -209,9 +209,9 @@ class TrainBatches:
   """
 
   def __init__(self, dataset: grain.MapDataset, sharding, batch_size: int, prefetch: int):
-    self._dataset = dataset.to_iter_dataset(read_options(prefetch))
+    self._iterator = iter(dataset.to_iter_dataset(read_options(prefetch)))  # idle until asked
     self._sharding, self._batch_size = sharding, batch_size
-    self._iterator, self._last = None, (None, None)
+    self._last = (None, None)
 
   def __call__(self, step: int) -> dict[str, jax.Array]:
     if self._last[0] == step:
@@ -223,8 +223,6 @@ class TrainBatches:
 
   def seek(self, position: dict) -> None:
     """Continues from ``position`` (a ``position()``, as a checkpoint stores it)."""
-    if self._iterator is None:
-      self._iterator = iter(self._dataset)
     if self._iterator.get_state() != position:
       self._iterator.set_state(position)
 
@@ -232,8 +230,7 @@ class TrainBatches:
     return self._iterator.get_state()
 
   def close(self) -> None:
-    if self._iterator is not None:
-      self._iterator.close()
+    self._iterator.close()
 
 
 def read_options(prefetch: int) -> grain.ReadOptions:
