@@ -24,7 +24,7 @@ $(TRAIN_STAMP): setup.py constraints.txt | $(PY)
 
 # The tests exercise every extra: test runner, TPU compiler, Hugging Face check, plots.
 $(TEST_STAMP): setup.py constraints.txt | $(PY)
-	$(INSTALL) '.[test,tpu,hf,plot]'
+	$(INSTALL) '.[test,tpu,hf,plot,data]'
 	touch $@ $(TRAIN_STAMP)
 
 install: $(TRAIN_STAMP)

@@ -29,9 +29,11 @@ setup(
         'safetensors>=0.4,<1',     # Hugging Face weights, read without pickle
         'tokenizers>=0.19,<1',     # Hugging Face tokenizer.json files (trainer/tokenizer.py)
         'sentencepiece>=0.2,<1',   # SentencePiece .model files (trainer/tokenizer.py)
+        'grain>=0.2.18,<0.3',      # the input pipeline's iterator, prefetch and mixing
     ],
     extras_require={
         'plot': ['matplotlib>=3.8,<4'],  # trainer/plot.py, benchmarks/report.py
+        'data': ['pyarrow>=15,<27'],     # Parquet input to trainer/prepare.py
         'test': ['pytest>=8,<10', 'hypothesis>=6.100,<7'],
         'tpu': ['libtpu==0.0.42.*'],  # ahead-of-time TPU compilation: must match jaxlib 0.10.2
         # NVIDIA GPUs (CUDA 12, with its pip-installed libraries): JAX's own extra, which pins

@@ -79,10 +79,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.grad_accum_steps = 1    # microbatches per step
   c.optimizer.z_loss = 1e-4           # weight of log(Z)^2 (0 disables)
 
+  # Input data (trainer/data.py, trainer/pipeline.py). Real corpora: prepare them once
+  # with python -m trainer.prepare, then name the directory here.
   c.data = ml_collections.ConfigDict()
-  c.data.path = ''            # '' embedded corpus | 'synthetic' | text file or glob | .npy/.bin tokens
+  c.data.path = ''            # a prepared corpus directory, or several separated by commas (a
+                              # mixture) | '' embedded corpus | text file or glob | .npy/.bin
+                              # tokens | 'synthetic'
+  c.data.weights = ''         # mixture: each corpus's share of the sequences, e.g. '3,1' ('': by size)
+  c.data.eval_path = ''       # prepared corpus whose held-out documents evals score ('': data.path's)
+  c.data.prefetch = 4         # batches built ahead by a background thread (0: when needed)
   c.data.bin_dtype = 'uint16' # dtype of raw .bin token files: uint16 | uint32
-  c.data.eval_fraction = 0.1  # held-out tail of the token stream
+  c.data.eval_fraction = 0.1  # held-out tail of the token stream (sources other than prepared ones)
   # Text tokenizer (trainer/tokenizer.py): '' byte-level | a local tokenizer.json
   # (Hugging Face) | a SentencePiece .model | a directory holding one. Never downloaded.
   c.data.tokenizer = ''

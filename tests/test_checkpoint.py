@@ -67,6 +67,10 @@ def test_resume_refuses_another_model(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert '\n' not in err
   assert 'has checkpoints of another run (model.mlp_dim: 64 in the checkpoint, 128 now)' in err
+  # Other data would not continue the batches the checkpoint's position counts.
+  assert _main(tmp_path / 'run', '--config.steps=4', '--config.data.path=synthetic') == 2
+  err = capsys.readouterr().err.strip()
+  assert "(data path: '' in the checkpoint, 'synthetic' now)" in err, err
 
 
 def test_init_from_loads_params_only_onto_another_mesh(tmp_path):

@@ -1,4 +1,4 @@
-"""Input pipeline: corpus, split, packing, determinism, per-process rows."""
+"""Sources and windows: the embedded corpus, its split, packing, determinism, per-process rows."""
 
 import os
 
@@ -9,16 +9,23 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import mesh as mesh_lib
-from trainer import data
+from trainer import data, pipeline
 
 
 def _cfg(path='', **kw):
-  return ml_collections.ConfigDict({'path': path, 'bin_dtype': 'uint16', 'eval_fraction': 0.1, **kw})
+  return ml_collections.ConfigDict({'path': path, 'bin_dtype': 'uint16', 'eval_fraction': 0.1,
+                                    'tokenizer': '', 'eval_path': '', 'weights': '', **kw})
+
+
+def _in_memory(stream: np.ndarray, bounds=None) -> data.Data:
+  bounds = [0, len(stream)] if bounds is None else bounds
+  s = data.Stream([stream], bounds)
+  return data.Data((s,), (1.0,), s, False, True, data.EOS_ID, 'tiny', {})
 
 
 @pytest.fixture(scope='module')
 def corpus():
-  return data.load_corpus(_cfg(), 264, 0)
+  return data.load(_cfg(), 264, 0)
 
 
 def test_default_corpus_is_the_stdlib_sorted(corpus):
@@ -26,45 +33,61 @@ def test_default_corpus_is_the_stdlib_sorted(corpus):
   assert files == sorted(files) and len(files) > 50
   assert all(os.path.dirname(f) == os.path.dirname(os.__file__) for f in files)
   total = sum(os.path.getsize(f) for f in files) + len(files)  # one EOS per file
-  assert len(corpus.train) + len(corpus.eval) == total
-  assert corpus.byte_level and corpus.eos_id == data.EOS_ID
+  assert corpus.train_tokens + corpus.eval.num_tokens == total
+  assert corpus.byte_level and corpus.eos_id == data.EOS_ID and not corpus.shuffled
 
 
 def test_held_out_is_the_last_tenth(corpus):
-  stream = np.concatenate([corpus.train, corpus.eval])
-  assert len(corpus.eval) == len(stream) - int(len(stream) * 0.9)
+  total = corpus.train_tokens + corpus.eval.num_tokens
+  assert corpus.eval.num_tokens == total - int(total * 0.9)
   with open(data.default_corpus_files()[-1], 'rb') as f:
     last_file = np.frombuffer(f.read(), np.uint8)
-  np.testing.assert_array_equal(corpus.eval[-len(last_file) - 1:-1], last_file)
+  np.testing.assert_array_equal(corpus.eval.tokens()[-len(last_file) - 1:-1], last_file)
+
+
+def _batch(d, seed, step, batch_size=4, seq_len=32, rows=None):
+  rows = np.arange(batch_size) if rows is None else rows
+  return pipeline.train_dataset(d, seed, batch_size, seq_len, rows)[step]
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(corpus):
-  rows = np.arange(4)
-  a = data.train_rows(corpus, 0, 7, 4, 32, rows)
-  b = data.train_rows(corpus, 0, 7, 4, 32, rows)
-  c = data.train_rows(corpus, 0, 8, 4, 32, rows)
-  d = data.train_rows(corpus, 1, 7, 4, 32, rows)
+  a, b = _batch(corpus, 0, 7), _batch(corpus, 0, 7)
+  c, d = _batch(corpus, 0, 8), _batch(corpus, 1, 7)
   np.testing.assert_array_equal(a['inputs'], b['inputs'])
   assert not np.array_equal(a['inputs'], c['inputs'])
   assert not np.array_equal(a['inputs'], d['inputs'])
   np.testing.assert_array_equal(a['inputs'][:, 1:], a['targets'][:, :-1])
-  part = data.train_rows(corpus, 0, 7, 4, 32, np.array([1, 3]))
-  np.testing.assert_array_equal(part['inputs'], a['inputs'][[1, 3]])
+  part = _batch(corpus, 0, 7, rows=np.array([1, 3]))
+  for k in a:
+    np.testing.assert_array_equal(part[k], a[k][[1, 3]])
 
 
-def test_segments_and_positions_restart_after_eos():
+def test_windows_are_the_batches_make_train_was_measured_with(corpus):
+  """Random windows from default_rng((seed, step)), as before the pipeline moved to Grain."""
+  stream = np.concatenate([np.asarray(s) for s in corpus.train[0].shards])
+  starts = np.random.default_rng((0, 5)).integers(0, len(stream) - 256, size=16)
+  window = stream[starts[:, None] + np.arange(257)]
+  batch = _batch(corpus, 0, 5, 16, 256)
+  np.testing.assert_array_equal(batch['inputs'], window[:, :-1])
+  np.testing.assert_array_equal(batch['targets'], window[:, 1:])
+  eos = window[:, :-1] == data.EOS_ID
+  np.testing.assert_array_equal(batch['segments'], np.cumsum(eos, axis=1) - eos)
+  assert all(v.dtype == np.int32 for v in batch.values())
+
+
+def test_segments_and_positions_restart_at_each_document():
   stream = np.array([1, 2, data.EOS_ID, 3, 4, 5, data.EOS_ID, 6, 7], np.int32)
-  corpus = data.Corpus(stream, stream, True, data.EOS_ID, 'tiny')
-  out = data.eval_rows(corpus, 0, 1, 8, np.array([0]))
+  out = pipeline.eval_rows(_in_memory(stream, [0, 3, 7, 9]), 0, 1, 8, np.array([0]))
   np.testing.assert_array_equal(out['segments'][0], [0, 0, 0, 1, 1, 1, 1, 2])
   np.testing.assert_array_equal(out['positions'][0], [0, 1, 2, 0, 1, 2, 3, 0])
 
 
 def test_eval_batches_tile_the_held_out_split(corpus):
-  a = data.eval_rows(corpus, 0, 2, 16, np.arange(2))
-  b = data.eval_rows(corpus, 1, 2, 16, np.arange(2))
-  np.testing.assert_array_equal(a['inputs'].ravel(), corpus.eval[:32])
-  np.testing.assert_array_equal(b['inputs'].ravel(), corpus.eval[32:64])
+  a = pipeline.eval_rows(corpus, 0, 2, 16, np.arange(2))
+  b = pipeline.eval_rows(corpus, 1, 2, 16, np.arange(2))
+  held = corpus.eval.tokens()
+  np.testing.assert_array_equal(a['inputs'].ravel(), held[:32])
+  np.testing.assert_array_equal(b['inputs'].ravel(), held[32:64])
 
 
 def test_token_files_and_synthetic(tmp_path):
@@ -72,20 +95,21 @@ def test_token_files_and_synthetic(tmp_path):
   np.save(tmp_path / 't.npy', tokens)
   tokens.tofile(tmp_path / 't.bin')
   for name in ('t.npy', 't.bin'):
-    c = data.load_corpus(_cfg(str(tmp_path / name)), 64, 0)
-    np.testing.assert_array_equal(np.concatenate([c.train, c.eval]), tokens)
-    assert not c.byte_level
-  c = data.load_corpus(_cfg('synthetic'), 64, 0)
-  assert c.train.max() < 64 and not c.byte_level
+    c = data.load(_cfg(str(tmp_path / name)), 64, 0)
+    np.testing.assert_array_equal(np.concatenate([c.train[0].tokens(), c.eval.tokens()]),
+                                  tokens)
+    assert not c.byte_level and isinstance(c.train[0].shards[0], np.memmap)  # not read whole
+  c = data.load(_cfg('synthetic'), 64, 0)
+  assert c.train[0].tokens().max() < 64 and not c.byte_level
   with pytest.raises(ValueError, match='token id 49'):
-    data.load_corpus(_cfg(str(tmp_path / 't.npy')), 40, 0)
+    data.load(_cfg(str(tmp_path / 't.npy')), 40, 0)
 
 
 def test_text_glob(tmp_path):
   for name, text in (('b.txt', b'world'), ('a.txt', b'hello ')):
     (tmp_path / name).write_bytes(text)
-  c = data.load_corpus(_cfg(str(tmp_path / '*.txt'), eval_fraction=0.5), 264, 0)
-  stream = np.concatenate([c.train, c.eval])
+  c = data.load(_cfg(str(tmp_path / '*.txt'), eval_fraction=0.5), 264, 0)
+  stream = np.concatenate([c.train[0].tokens(), c.eval.tokens()])
   assert bytes(stream[stream < 256].astype(np.uint8)) == b'hello world'
 
 
@@ -93,8 +117,8 @@ def test_local_rows_follow_the_sharding(devices):
   mesh = mesh_lib.make_mesh(dict(data=2, fsdp=1, tensor=4, expert=1, dcn_data=1,
                                  dcn_fsdp=1, dcn_tensor=1, dcn_expert=1), devices)
   s = NamedSharding(mesh, PartitionSpec('data'))
-  np.testing.assert_array_equal(data.local_rows(s, (8, 4)), np.arange(8))
+  np.testing.assert_array_equal(pipeline.local_rows(s, (8, 4)), np.arange(8))
   batch = {'x': np.arange(32).reshape(8, 4)}
-  out = data.to_global(batch, s, 8)['x']
+  out = pipeline.to_global(batch, s, 8)['x']
   assert out.sharding == s
   np.testing.assert_array_equal(jax.device_get(out), batch['x'])

@@ -58,7 +58,12 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 def test_checkpoints_move_between_two_processes_and_one(tmp_path):
-  steps = ['--config.steps=6', '--config.checkpoint.every=3']
+  """On a prepared corpus: its shuffled batches continue where the other run stopped."""
+  from trainer import data, prepare  # pylint: disable=import-outside-toplevel
+  corpus = str(tmp_path / 'corpus')
+  assert prepare.main(['--input', *data.default_corpus_files()[:40], '--output', corpus,
+                       '--eval_fraction', '0.25', '--workers', '1']) == 0
+  steps = ['--config.steps=6', '--config.checkpoint.every=3', f'--config.data.path={corpus}']
   code, out = _launch(tmp_path / 'a', *steps, '--config.stop_after=3')
   assert code == 0, out
   code, out = _single(tmp_path / 'a', *steps)  # written by 2 processes, resumed by 1
@@ -70,7 +75,9 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
   a, b = _losses(tmp_path / 'a'), _losses(tmp_path / 'b')
   assert list(a) == list(b) == list(range(1, 7))
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
-  assert checkpoint.complete_steps(checkpoint.directory_of(tmp_path / 'a'))[-1] == 6
+  directory = checkpoint.directory_of(tmp_path / 'a')
+  assert checkpoint.complete_steps(directory)[-1] == 6
+  assert checkpoint.read_meta(directory, 6)['data']['position'] == {'next_index': 6}
 
 
 def test_a_locked_workdir_refuses_every_process(tmp_path):

@@ -12,7 +12,7 @@ from flax import nnx
 
 from models.transformer import Transformer, TransformerConfig
 from tests.conftest import ROOT
-from trainer import data, step, tokenizer, train
+from trainer import data, pipeline, step, tokenizer, train
 
 TEXT = ''.join(f'def f{i}(x):\n    return x * {i}  # héllo wörld ☃\n\n' for i in range(60))
 UNSEEN = 'x = 1\n\n  naïve ☃ 🎉 end\tZZZ'  # characters and emoji the training text lacks
@@ -77,36 +77,39 @@ def test_eos_from_tokenizer_config_and_a_tokenizer_without_one(tmp_path):
 
 def _data_cfg(path, spec):
   return ml_collections.ConfigDict({'path': str(path), 'bin_dtype': 'uint16',
-                                    'eval_fraction': 0.2, 'tokenizer': spec})
+                                    'eval_fraction': 0.2, 'tokenizer': spec, 'eval_path': '',
+                                    'weights': ''})
 
 
 @pytest.mark.parametrize('kind', ['hf', 'sentencepiece'])
 def test_corpus_is_tokenized_and_keeps_bits_per_byte(files, kind):
   tok = tokenizer.load(_specs(files)[kind])
-  corpus = data.load_corpus(_data_cfg(files / 'corpus.txt', _specs(files)[kind]), 320, 0)
+  corpus = data.load(_data_cfg(files / 'corpus.txt', _specs(files)[kind]), 320, 0)
   assert not corpus.byte_level and corpus.eos_id == tok.eos_id
   assert f'tokenized with {tok.name}' in corpus.description
-  stream = np.concatenate([corpus.train, corpus.eval])
+  held = corpus.eval.tokens()
+  stream = np.concatenate([corpus.train[0].tokens(), held])
   assert stream[-1] == tok.eos_id and tok.decode(stream[:-1]) == TEXT
-  assert corpus.eval_bytes.shape == corpus.eval.shape and corpus.eval_bytes[-1] == -1
+  eval_bytes = corpus.eval.byte_counts[0]
+  assert eval_bytes.shape == held.shape and eval_bytes[-1] == -1
   # Bits per byte from the eval step: nats over text targets / their UTF-8 bytes.
   cfg = TransformerConfig(vocab_size=320, d_model=16, num_layers=1, num_heads=2,
                           num_kv_heads=2, head_dim=8, mlp_dim=32, max_seq_len=64)
   graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)))
-  batch = data.eval_rows(corpus, 0, 2, 16, np.arange(2))
+  batch = pipeline.eval_rows(corpus, 0, 2, 16, np.arange(2))
   assert batch['target_bytes'].shape == (2, 16)
   sums = jax.jit(step.make_eval_step(graphdef, None))(
       params, {k: jnp.asarray(v) for k, v in batch.items()})
-  targets = np.concatenate([corpus.eval[1:17], corpus.eval[17:33]])
+  targets = np.concatenate([held[1:17], held[17:33]])
   expected_bytes = len(tok.decode(targets[targets != tok.eos_id]).encode('utf-8'))
   assert abs(float(sums['bytes']) - expected_bytes) <= 2  # window edges may split a char
   assert float(sums['byte_nats']) <= float(sums['nats'])
 
 
 def test_byte_level_eval_batches_are_unchanged(files):
-  corpus = data.load_corpus(_data_cfg(files / 'corpus.txt', ''), 264, 0)
-  assert corpus.byte_level and corpus.eval_bytes is None
-  assert set(data.eval_rows(corpus, 0, 2, 16, np.arange(2))) == {
+  corpus = data.load(_data_cfg(files / 'corpus.txt', ''), 264, 0)
+  assert corpus.byte_level and corpus.eval.byte_counts is None
+  assert set(pipeline.eval_rows(corpus, 0, 2, 16, np.arange(2))) == {
       'inputs', 'targets', 'positions', 'segments'}
 
 

@@ -3,7 +3,8 @@
 A run keeps its checkpoints in ``WORKDIR/checkpoints/<step>/``, each with the
 items ``params`` and ``opt_state`` (sharded arrays; every process writes its
 own shards) and ``meta`` (JSON: the step, the model config, the layer layout,
-every array's shape, dtype and checksum, and the run config). A checkpoint is
+every array's shape, dtype and checksum, the run config, and under ``data``
+what defines the training batches and the input pipeline's position). A checkpoint is
 complete only once Orbax has written its commit marker (``commit_success.txt``,
 the last file of a save; Orbax's commit-file mode, which writes in place and
 renames nothing), so what a process killed in the middle of a save leaves is
@@ -288,10 +289,16 @@ class Checkpointer:
   def steps(self) -> list[int]:
     return complete_steps(self.directory)
 
-  def save(self, state, meta: dict) -> None:
-    """Starts saving ``state``; returns once its arrays are copied off the devices."""
+  def save(self, state, meta: dict, data_position: dict | None = None) -> None:
+    """Starts saving ``state``; returns once its arrays are copied off the devices.
+
+    ``data_position``: the input pipeline's state after the batch of this step
+    (trainer/pipeline.py), kept in the metadata's ``data``.
+    """
     step = int(state.step)
     params, opt = flatten(state.params), flatten({'step': state.step, 'opt': state.opt_state})
+    if data_position is not None:
+      meta = {**meta, 'data': {**meta.get('data', {}), 'position': data_position}}
     meta = {**meta, 'format': FORMAT, 'step': step,
             'arrays': {**describe(params), **describe(opt)},
             'checksums': {**checksums(params), **checksums(opt)}}
@@ -303,6 +310,15 @@ class Checkpointer:
     """The newest good checkpoint as a state sharded like ``abstract_state``."""
     return newest_good(self.steps(), self.policy.on_corrupt,
                        lambda step: self._restore(step, abstract_state), self._set_aside)
+
+  def data_position(self, step: int) -> dict:
+    """Where the input pipeline continues after checkpoint ``step``.
+
+    Checkpoints from before the position was recorded: the step itself (their
+    batches were a function of the step).
+    """
+    position = read_meta(self.directory, step).get('data', {}).get('position')
+    return position if position is not None else {'next_index': step}
 
   def _set_aside(self, step: int, error: CheckpointError) -> None:
     """Renames a bad checkpoint out of the way (kept for inspection), so it is redone."""

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from models.transformer import Transformer, count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding
-from trainer import checkpoint, data, metrics as metrics_lib, optim, profiling
+from trainer import checkpoint, data, metrics as metrics_lib, optim, pipeline, profiling
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
@@ -89,7 +89,7 @@ class Setup:
   start_step: int          # the step ``state`` is at (0, or the resumed checkpoint's)
   train_step: Any          # jitted (state, batch) -> (state, metrics); donates state
   eval_step: Any           # jitted (params, batch) -> sums
-  get_batch: Callable[[int], dict]
+  get_batch: pipeline.TrainBatches  # get_batch(step): the global batch; prefetches the next
   eval_batches: list
   schedule: Any
   ops: sharding.ShardedOps
@@ -102,13 +102,9 @@ def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
   cfg = run.cfg
   p = build(cfg, run.model_cfg, run.mesh, run.rules)
   state, start_step = _initial_state(run, checkpointer, p)
-  rows = data.local_rows(p.batch_sharding, (cfg.batch_size, cfg.seq_len))
-  get_batch = lambda step: data.to_global(
-      data.train_rows(run.corpus, cfg.seed, step, cfg.batch_size, cfg.seq_len, rows),
-      p.batch_sharding, cfg.batch_size)
-  eval_batches = [data.to_global(
-      data.eval_rows(run.corpus, i, cfg.batch_size, cfg.seq_len, rows),
-      p.batch_sharding, cfg.batch_size) for i in range(cfg.eval_steps)]
+  get_batch, eval_batches = pipeline.make(run.corpus, cfg, p.batch_sharding)
+  if start_step:  # resumed: the data position the checkpoint recorded
+    get_batch.seek(checkpointer.data_position(start_step))
   eval_step = jax.jit(make_eval_step(
       p.graphdef, data.BYTE_VOCAB if run.corpus.byte_level else None))
   return Setup(state, start_step, p.train_step, eval_step, get_batch, eval_batches,
@@ -200,7 +196,7 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock)
         clock.lap('eval')
         writer.write(done, eval_record)
       if save:
-        ckpt.save(state, meta)
+        ckpt.save(state, meta, data_position=s.get_batch.position())
         log(f'checkpoint {done}: saving to {ckpt.directory}'
             + (' in the background' if policy.async_save else ''))
       if stop:
@@ -283,7 +279,8 @@ def checkpoint_meta(run) -> dict:
   """What a checkpoint records besides arrays: enough to check a restore."""
   return {'model': dataclasses.asdict(run.model_cfg), 'seed': run.cfg.seed,
           'mesh': mesh_lib.describe(run.mesh), 'processes': jax.process_count(),
-          'config': json.loads(run.cfg.to_json())}
+          'config': json.loads(run.cfg.to_json()),
+          'data': {'stream': pipeline.identity(run.corpus, run.cfg.batch_size, run.cfg.seq_len)}}
 
 
 def _check_finite(out, step: int, on_nonfinite: str, ckpt) -> None:
@@ -341,8 +338,8 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
   flops_tok = metrics_lib.flops_per_token(run.model_cfg, cfg.seq_len)
   peak, peak_source = hardware.peak_flops_per_device(
       cfg.hardware.name, cfg.hardware.peak_flops, mesh.size)
-  log(f'data: {run.corpus.description}; {len(run.corpus.train):,} train / '
-      f'{len(run.corpus.eval):,} held-out tokens')
+  log(f'data: {run.corpus.description}; {run.corpus.train_tokens:,} train / '
+      f'{run.corpus.eval.num_tokens:,} held-out tokens')
   log(f'model: {count_params(s.abstract_params):,} parameters; mesh '
       f'{mesh_lib.describe(mesh)} ({jax.process_count()} process(es)); train step '
       f'compiled in {compile_s:.1f}s')

@@ -59,6 +59,11 @@ def prepare(args, overrides) -> Run:
   return _validated(_prepare, cfg, args)
 
 
+def prepare_loaded(cfg, workdir: str) -> Run:
+  """prepare() for a config already loaded (trainer/evaluate.py)."""
+  return _validated(_prepare, cfg, argparse.Namespace(config='', workdir=workdir))
+
+
 def _validated(fn, *args):
   """``fn(*args)``, its ValueErrors (bad input) raised as ConfigError.
 
@@ -84,7 +89,7 @@ def _prepare(cfg, args) -> Run:
   mesh = mesh_lib.make_mesh(cfg.mesh)
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
   model_cfg, params = check_layout(cfg, mesh.shape)
-  corpus = data.load_corpus(cfg.data, model_cfg.vocab_size, cfg.seed)
+  corpus = data.load(cfg.data, model_cfg.vocab_size, cfg.seed)
   data.check_lengths(corpus, cfg.seq_len, cfg.batch_size, cfg.eval_steps)
   workdir = args.workdir or os.path.join('runs', os.path.splitext(
       os.path.basename(args.config.partition(':')[0]))[0])
@@ -201,6 +206,7 @@ def _check_checkpoints(run: Run) -> int | None:
             if meta['model'].get(k) != v]
     if meta.get('seed') != cfg.seed:
       diff.append(f'seed: {meta.get("seed")} in the checkpoint, {cfg.seed} now')
+    diff += _data_differences(meta.get('data', {}).get('stream'), run)
     if diff:
       raise ValueError(f'{workdir} has checkpoints of another run (' + '; '.join(diff)
                        + '): use another --workdir, or delete its checkpoints/ to start over')
@@ -215,6 +221,16 @@ def _check_checkpoints(run: Run) -> int | None:
       raise ValueError(f'init_from={cfg.init_from}: {len(diff)} parameter(s) differ from '
                        'the model: ' + '; '.join(diff[:20]))
   return None
+
+
+def _data_differences(stored: dict | None, run: Run) -> list[str]:
+  """What defines the training batches, where a checkpoint's differs from this run's."""
+  from trainer import pipeline  # pylint: disable=g-import-not-at-top
+  now = pipeline.identity(run.corpus, run.cfg.batch_size, run.cfg.seq_len)
+  if stored is None:  # written before checkpoints recorded it
+    return []
+  return [f'data {k}: {stored.get(k)!r} in the checkpoint, {now.get(k)!r} now'
+          for k in sorted(set(stored) | set(now)) if stored.get(k) != now.get(k)]
 
 
 def _check_run_lengths(cfg) -> None:

@@ -1,0 +1,200 @@
+r"""The input pipeline alone: tokens/s on a large prepared corpus, and its memory.
+
+  python -m benchmarks.input [--workdir /tmp/ringtrain_input] [--gib 2] \
+      [--shapes 16x256 64x2048] [--json] [--keep]
+
+Writes JSONL text (Python standard library source cut into documents of 64 B
+to 16 KiB) and prepares it with ``trainer.prepare`` (byte-level) twice: a
+corpus of ``--gib`` GiB of tokens and one of 2 MB. Then, each in a fresh
+process, reads one epoch of the large corpus (the number of tokens of its
+training split) in batches of each of ``--shapes`` (the default config's 16 x
+256, and 64 x 2048, a host's share of a larger run):
+
+  * pipeline: the training batches trainer/pipeline.py builds (documents
+    shuffled, packed, segments and positions) through Grain's prefetching
+    iterator, one process holding every row;
+  * memmap: a bare reader of the same shard files, ``np.memmap`` windows at
+    random places stacked and cast to int32 (no documents, shuffling or prefetch);
+  * pipeline on the 2 MB corpus, as many batches of the first shape: the peak RSS
+    (resident memory, memory-mapped pages included) next to the large one's.
+
+and compiles and times the default config's train step (benchmarks/train_step.py)
+for the rate training consumes tokens at. Targets: pipeline >= 10x the
+default config's rate and >= 0.8x the memmap reader; peak RSS over the large
+corpus within 300 MB of the small one's. The corpora stay in ``--workdir``
+for the next run with ``--keep``; else it is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import multiprocessing
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_BYTES = 1 << 20  # text of the small corpus: 2 MB of uint16 tokens
+PART_BYTES = 128 << 20  # text per JSONL file
+DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
+
+
+def write_text(directory: str, total: int) -> None:
+  """JSONL files of ``total`` bytes of text: standard library source cut into documents."""
+  os.makedirs(directory, exist_ok=True)
+  rng = random.Random(0)
+  sources = [open(f, encoding='utf-8', errors='replace').read()
+             for f in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), '*.py')))]
+  written, part, n = 0, 0, 0
+  while written < total:
+    with open(os.path.join(directory, f'part-{part:03d}.jsonl'), 'w', encoding='utf-8') as f:
+      size = 0
+      while size < min(PART_BYTES, total - written):
+        text = rng.choice(sources)
+        length = int(2 ** rng.uniform(6, 14))
+        start = rng.randrange(max(1, len(text) - length))
+        doc = f'# document {n}\n' + text[start:start + length]
+        line = json.dumps({'text': doc}) + '\n'
+        f.write(line)
+        size, n = size + len(doc.encode('utf-8')), n + 1
+    written, part = written + size, part + 1
+
+
+def prepared(workdir: str, name: str, text_bytes: int) -> str:
+  """The corpus ``name`` prepared from ``text_bytes`` of text (made once)."""
+  from trainer import prepare  # pylint: disable=g-import-not-at-top
+  text, out = os.path.join(workdir, f'text-{name}'), os.path.join(workdir, name)
+  if not glob.glob(os.path.join(text, '*.jsonl')):
+    print(f'writing {text_bytes / 2**20:,.0f} MiB of text to {text}', file=sys.stderr)
+    write_text(text, text_bytes)
+  start = time.time()
+  with contextlib.redirect_stdout(sys.stderr):  # stdout: the results alone
+    assert prepare.main(['--input', os.path.join(text, '*.jsonl'), '--output', out]) == 0
+  print(f'prepare {name}: {time.time() - start:.1f} s', file=sys.stderr)
+  return out
+
+
+def run_pipeline(path: str, batch_size: int, seq_len: int, batches: int) -> dict:
+  """Reads ``batches`` training batches as the default config's pipeline would (fresh process)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from trainer import config as config_lib, data, pipeline  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(DEFAULT, [f'--config.data.path={path}'])
+  corpus = data.load(cfg.data, cfg.model.vocab_size, cfg.seed)
+  dataset = pipeline.train_dataset(corpus, cfg.seed, batch_size, seq_len, np.arange(batch_size))
+  iterator = iter(dataset.to_iter_dataset(pipeline.read_options(cfg.data.prefetch)))
+  start = time.perf_counter()
+  for _ in range(batches):
+    next(iterator)
+  return _result(batches * batch_size * seq_len, time.perf_counter() - start)
+
+
+def run_memmap(path: str, batch_size: int, seq_len: int, batches: int) -> dict:
+  """Reads as many tokens as bare ``np.memmap`` windows of the same shards."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from trainer import data  # pylint: disable=g-import-not-at-top
+  manifest = data.read_manifest(path)
+  maps = [np.memmap(os.path.join(path, s['name'] + '.bin'), manifest['dtype'], 'r')
+          for s in manifest['splits']['train']['shards']]
+  rng = np.random.default_rng(0)
+  weights = np.array([len(m) for m in maps], float)
+  start = time.perf_counter()
+  for _ in range(batches):
+    shards = rng.choice(len(maps), size=batch_size, p=weights / weights.sum())
+    offsets = (rng.random(batch_size) * (weights[shards] - seq_len - 1)).astype(np.int64)
+    np.stack([maps[s][o:o + seq_len + 1] for s, o in zip(shards, offsets)]).astype(np.int32)
+  return _result(batches * batch_size * seq_len, time.perf_counter() - start)
+
+
+def _result(tokens: int, seconds: float) -> dict:
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+  return {'tokens': tokens, 'seconds': seconds, 'tokens_per_sec': tokens / seconds,
+          'peak_rss_mb': rss / 1e6}
+
+
+def default_config_rate(workdir: str) -> float:
+  """Tokens/s the default config's train step consumes (8 simulated CPU devices)."""
+  from launch import runtime  # pylint: disable=g-import-not-at-top
+  runtime.configure_host(8)
+  from benchmarks import train_step  # pylint: disable=g-import-not-at-top
+  from trainer import config as config_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load(DEFAULT)
+  seconds = train_step.step_seconds(DEFAULT, 'always', 5, workdir)['median_step_seconds']
+  return cfg.batch_size * cfg.seq_len / seconds
+
+
+def _fresh(fn, *args):
+  """``fn(*args)`` in a new process (its own peak RSS)."""
+  with multiprocessing.get_context('spawn').Pool(1) as pool:
+    return pool.apply(fn, args)
+
+
+def measure(args) -> dict:
+  os.makedirs(args.workdir, exist_ok=True)
+  big = prepared(args.workdir, f'big-{args.gib:g}gib', int(args.gib * 2**30 / 2))
+  small = prepared(args.workdir, 'small', SMALL_BYTES)
+  from trainer import data  # pylint: disable=g-import-not-at-top
+  tokens = data.read_manifest(big)['splits']['train']['tokens']
+  out = {'corpus_bytes': {'big': _bytes(big), 'small': _bytes(small)}, 'shapes': {}}
+  for shape in args.shapes:
+    batch_size, seq_len = map(int, shape.split('x'))
+    batches = tokens // (batch_size * seq_len)  # one epoch of the large corpus
+    print(f'{shape}: reading {batches:,} batches', file=sys.stderr)
+    runs = {'pipeline': _fresh(run_pipeline, big, batch_size, seq_len, batches),
+            'memmap': _fresh(run_memmap, big, batch_size, seq_len, batches)}
+    if shape == args.shapes[0]:
+      runs['pipeline_small'] = _fresh(run_pipeline, small, batch_size, seq_len, batches)
+    out['shapes'][shape] = runs
+  out['default_config_tokens_per_sec'] = _fresh(default_config_rate, args.workdir)
+  return out
+
+
+def _bytes(path: str) -> int:
+  return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, '*.bin')))
+
+
+def report(out: dict) -> str:
+  big, small = (out['corpus_bytes'][k] / 1e6 for k in ('big', 'small'))
+  default = out['default_config_tokens_per_sec']
+  lines = [f'default config consumes {default:,.0f} tokens/s; corpus {big:,.0f} MB of tokens',
+           'batch      pipeline M tok/s  x default (>= 10)  memmap M tok/s  x memmap (>= 0.8)']
+  for shape, runs in out['shapes'].items():
+    p, m = runs['pipeline']['tokens_per_sec'], runs['memmap']['tokens_per_sec']
+    lines.append(f'{shape:10} {p / 1e6:16.1f} {p / default:18,.0f} {m / 1e6:15.1f} '
+                 f'{p / m:16.2f}')
+  first = next(iter(out['shapes'].values()))
+  rss, rss_small = first['pipeline']['peak_rss_mb'], first['pipeline_small']['peak_rss_mb']
+  lines.append(f'peak RSS reading {first["pipeline"]["tokens"]:,} tokens: {rss:,.0f} MB from '
+               f'the {big:,.0f} MB corpus, {rss_small:,.0f} MB from the {small:,.1f} MB one: '
+               f'{rss - rss_small:+,.0f} MB (target: within 300 MB); the memmap reader: '
+               f'{first["memmap"]["peak_rss_mb"]:,.0f} MB')
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--workdir', default='/tmp/ringtrain_input')
+  parser.add_argument('--gib', type=float, default=2.0, help='large corpus, GiB of tokens')
+  parser.add_argument('--shapes', nargs='+', default=['16x256', '64x2048'],
+                      help='batch_size x seq_len (default: the default config, then larger)')
+  parser.add_argument('--json', action='store_true')
+  parser.add_argument('--keep', action='store_true', help='keep the corpora in --workdir')
+  args = parser.parse_args(argv)
+  sys.path.insert(0, ROOT)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  try:
+    out = measure(args)
+  finally:
+    if not args.keep:
+      shutil.rmtree(args.workdir, ignore_errors=True)
+  print(json.dumps(out, indent=1) if args.json else report(out))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,147 @@
+"""Batches from prepared corpora: shuffling, packing, mixtures, per-process rows, resuming."""
+
+import collections
+import json
+
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from parallelism import mesh as mesh_lib
+from trainer import data, pipeline, prepare
+
+
+def _corpus(root, letter, n):
+  """``n`` documents of ``letter``s (and their number), prepared into ``root``."""
+  rng = np.random.default_rng(ord(letter))
+  docs = [f'{letter}{i}:' + letter * int(rng.integers(1, 60)) for i in range(n)]
+  root.mkdir()
+  (root / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+  assert prepare.main(['--input', str(root / 'in.jsonl'), '--output', str(root / 'out'),
+                       '--eval_fraction', '0.3', '--workers', '1']) == 0
+  return str(root / 'out'), docs
+
+
+@pytest.fixture(scope='module')
+def corpora(tmp_path_factory):
+  root = tmp_path_factory.mktemp('corpora')
+  return _corpus(root / 'a', 'a', 80), _corpus(root / 'b', 'b', 40)
+
+
+def _load(path, **kw):
+  cfg = ml_collections.ConfigDict({'path': path, 'eval_path': '', 'weights': '', 'tokenizer': '',
+                                   'bin_dtype': 'uint16', 'eval_fraction': 0.1, **kw})
+  return data.load(cfg, 264, 0)
+
+
+def _texts(tokens):
+  """The documents (EOS-separated) in a token sequence."""
+  text = bytes(np.where(tokens == data.EOS_ID, ord('|'), tokens).astype(np.uint8)).decode()
+  return text.split('|')
+
+
+def _epoch(packer, epoch):
+  flat, _ = packer.read(epoch, 0, packer.per_epoch)
+  return flat
+
+
+def test_documents_are_shuffled_per_seed_and_epoch_each_read_once(corpora):
+  (path, docs), _ = corpora
+  stream = _load(path).train[0]
+  train_docs = [d for d in docs if not prepare.held_out(d.encode(), 0.3)]
+  packer = pipeline.Packer(stream, 16, seed=0)
+  first = _epoch(packer, 0)
+  assert len(first) == packer.per_epoch * 16 + 1 > stream.num_tokens - 17
+  whole = _texts(first)[:-1]  # the last one is cut at the epoch's end
+  assert len(whole) == len(set(whole)) and set(whole) <= set(train_docs)
+  assert len(whole) >= len(train_docs) - 2 and whole != train_docs  # all, in another order
+  np.testing.assert_array_equal(first, _epoch(pipeline.Packer(stream, 16, seed=0), 0))
+  assert _texts(_epoch(packer, 1))[:-1] != whole  # each epoch its own order
+  assert _texts(_epoch(pipeline.Packer(stream, 16, seed=1), 0))[:-1] != whole
+  batch = pipeline.train_dataset(_load(path), 0, 4, 16, np.arange(4))[0]  # sequences 0-3
+  np.testing.assert_array_equal(batch['inputs'].ravel(), first[:64])
+  np.testing.assert_array_equal(batch['targets'].ravel(), first[1:65])
+
+
+def test_packing_marks_every_document(corpora):
+  (path, _), _ = corpora
+  batch = pipeline.train_dataset(_load(path), 0, 4, 64, np.arange(4))[3]
+  for inputs, segments, positions in zip(batch['inputs'], batch['segments'],
+                                         batch['positions']):
+    after_eos = np.concatenate([[False], inputs[:-1] == data.EOS_ID])
+    np.testing.assert_array_equal(segments, np.cumsum(after_eos))
+    starts = np.where(after_eos | (np.arange(64) == 0), np.arange(64), 0)
+    np.testing.assert_array_equal(positions, np.arange(64) - np.maximum.accumulate(starts))
+    assert segments[-1] > 0  # documents are shorter than a row
+
+
+def _source(row):
+  return 'a' if ord('a') in row else 'b'
+
+
+def test_a_mixture_follows_its_weights(corpora):
+  (a, _), (b, _) = corpora
+  mixed = _load(f'{a},{b}', weights='3,1', eval_path=a)
+  assert mixed.weights == (0.75, 0.25) and mixed.shuffled
+  dataset = pipeline.train_dataset(mixed, 0, 8, 16, np.arange(8))
+  rows = [_source(r) for k in range(40) for r in dataset[k]['inputs']]
+  assert collections.Counter(rows) == {'a': 240, 'b': 80}
+  by_size = _load(f'{a},{b}', eval_path=a)  # '': weighted by training tokens
+  sizes = [s.num_tokens for s in by_size.train]
+  assert by_size.weights == pytest.approx([x / sum(sizes) for x in sizes])
+  with pytest.raises(ValueError, match="data.eval_path='' but data.path is a mixture of 2"):
+    _load(f'{a},{b}')
+  with pytest.raises(ValueError, match=r"data.weights='3' is not 2 positive number\(s\)"):
+    _load(f'{a},{b}', weights='3', eval_path=a)
+
+
+@pytest.mark.parametrize('mixture', [False, True])
+def test_each_process_builds_only_its_rows(corpora, mixture):
+  (a, _), (b, _) = corpora
+  d = _load(f'{a},{b}', eval_path=b) if mixture else _load(a)
+  full = pipeline.train_dataset(d, 0, 8, 16, np.arange(8))
+  halves = [pipeline.train_dataset(d, 0, 8, 16, np.arange(8)[p::2]) for p in (0, 1)]
+  for step in (0, 5, 31):
+    for p, half in enumerate(halves):
+      for k, v in half[step].items():
+        np.testing.assert_array_equal(v, full[step][k][p::2])
+
+
+def test_resume_on_another_process_count_repeats_and_skips_nothing(corpora, devices):
+  """Two processes (each half of the rows) stop after step 3; one process resumes."""
+  (a, _), (b, _) = corpora
+  d = _load(f'{a},{b}', eval_path=a)
+  read = lambda rows: iter(pipeline.train_dataset(d, 0, 8, 16, rows).to_iter_dataset(
+      pipeline.read_options(2)))
+  straight = read(np.arange(8))
+  expected = [next(straight)['inputs'] for _ in range(6)]
+  processes = [read(np.arange(4)), read(np.arange(4, 8))]
+  for step in range(3):
+    got = np.concatenate([next(p)['inputs'] for p in processes])
+    np.testing.assert_array_equal(got, expected[step])
+  position = processes[0].get_state()
+  assert position == processes[1].get_state() == {'next_index': 3}
+  mesh = mesh_lib.make_mesh(dict(data=8, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1,
+                                 dcn_tensor=1, dcn_expert=1), devices)
+  sharding = NamedSharding(mesh, PartitionSpec('data'))
+  resumed = pipeline.TrainBatches(pipeline.train_dataset(d, 0, 8, 16, np.arange(8)), sharding,
+                                  8, 2)
+  resumed.seek(position)
+  for step in range(3, 6):
+    np.testing.assert_array_equal(np.asarray(resumed(step)['inputs']), expected[step])
+  assert resumed.position() == {'next_index': 6}
+  resumed.close()
+
+
+def test_eval_path_scores_another_corpus_held_out_documents(corpora):
+  (a, docs_a), (b, _) = corpora
+  d = _load('', eval_path=b)  # the embedded corpus trains, b's held-out documents score
+  assert not d.shuffled and d.eval.num_tokens == data.read_manifest(b)['splits']['eval'][
+      'tokens']
+  held = [t for t in _texts(d.eval.tokens())[:-1]]
+  assert held and all(t.startswith('b') for t in held)
+  own = _load(a).eval.tokens()
+  assert _texts(own)[:-1] == [t for t in docs_a if prepare.held_out(t.encode(), 0.3)]
+  with pytest.raises(ValueError, match='is not a directory|does not exist'):
+    _load('', eval_path=a + '/nowhere')

@@ -1,0 +1,75 @@
+r"""Scores a checkpoint on held-out documents: eval_loss and bits per byte.
+
+  python -m trainer.evaluate --checkpoint runs/mycorpus \
+      [--config configs/default.py] [--config.data.eval_path=DIR] [--config.eval_steps=N ...]
+
+The run config is the one the checkpoint recorded (the run that wrote it),
+unless ``--config`` names a config file; ``--config.a.b=value`` overrides
+either, e.g. ``data.eval_path`` to score another prepared corpus's held-out
+documents, or ``eval_steps`` for more of them. The evaluation is the one
+training runs (trainer/loop.py): ``eval_steps`` batches of ``batch_size`` x
+``seq_len`` held-out tokens, the same each time, on the run's mesh. Prints one
+JSON line: checkpoint, step, tokens scored, ``eval_loss`` (nats per token) and
+``eval_bpb`` (bits per UTF-8 byte of text). Bad input exits 2 with one line;
+nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+
+import ml_collections
+
+from trainer import config as config_lib
+from trainer.config import ConfigError
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog='python -m trainer.evaluate', description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--checkpoint', required=True, help='workdir, checkpoints/ or step directory')
+  p.add_argument('--config', default='', help="config file, path.py[:arg] (default: the "
+                 "checkpoint's run config)")
+  return p.parse_known_args(argv)
+
+
+def load_config(args, overrides) -> ml_collections.ConfigDict:
+  """The run config (the checkpoint's, or ``--config``'s) with overrides; parameters from it."""
+  from trainer import checkpoint  # pylint: disable=g-import-not-at-top
+  if args.config:
+    cfg = config_lib.load(args.config, overrides)
+  else:
+    cfg = ml_collections.ConfigDict(checkpoint.peek_meta(args.checkpoint)['config'])
+    for key, raw in config_lib.parse_overrides(overrides):
+      config_lib.set_value(cfg, key, raw)
+  cfg.init_from = args.checkpoint
+  return cfg
+
+
+def main(argv=None) -> int:
+  args, overrides = parse_args(argv)
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's notes on read-only checkpoints
+  from trainer import train  # pylint: disable=g-import-not-at-top
+  try:
+    with tempfile.TemporaryDirectory() as workdir:  # no checkpoints there: nothing resumes
+      run = train.prepare_loaded(load_config(args, overrides), workdir)
+  except ValueError as e:  # ConfigError, a bad checkpoint (1 if corrupt)
+    print(f'error: {str(e).strip(chr(34))}', file=sys.stderr)
+    return getattr(e, 'exit_status', 2)
+  from trainer import checkpoint, loop  # pylint: disable=g-import-not-at-top
+  s = loop.setup(run)
+  record = loop._evaluate(s.eval_step, s.state.params, s.eval_batches)  # pylint: disable=protected-access
+  cfg = run.cfg
+  step = checkpoint.resolve(args.checkpoint)[1]
+  print(json.dumps({'checkpoint': args.checkpoint, 'step': step,
+                    'tokens': cfg.eval_steps * cfg.batch_size * cfg.seq_len,
+                    'held_out': cfg.data.eval_path or cfg.data.path, **record}))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,304 @@
+"""Batches from trainer/data.py's streams: shuffled, packed, mixed, prefetched, resumable.
+
+Training batches come in one of two ways:
+  * prepared corpora (``Data.shuffled``): each epoch puts a corpus's documents in
+    a new order, a permutation drawn from (seed, corpus, epoch), and cuts their
+    concatenation into sequences of ``seq_len`` + 1 tokens (inputs and the
+    targets one token on); sequence j of a corpus's stream is sequence
+    j mod n of epoch j div n, n = (tokens - 1) div seq_len. Grain's
+    ``MapDataset.mix`` interleaves the corpora of a mixture by weight. The
+    batch for step k holds sequences k * batch_size ... of the mixed stream;
+  * the other sources: ``batch_size`` windows at random places of the token
+    stream, drawn from (seed, k) with replacement (the batches ``make train``'s
+    numbers were measured with).
+
+Either way the global batch of step k is a pure function of (data, seed, k),
+so each process builds only the rows its devices hold (any row can be built
+without the others), and a checkpoint moved to another number of processes
+resumes on the same batches. Sequences are packed: ``segments`` numbers the
+documents within a row, ``positions`` restart at each document (and at the
+row's start), and attention never crosses a document boundary.
+
+Grain runs the loop: a ``MapDataset`` of steps whose ``to_iter_dataset``
+iterator builds the next ``data.prefetch`` batches in a background thread while
+the devices train. Its state (``{'next_index': step}``) is the data position a
+checkpoint stores (trainer/checkpoint.py). Held-out batches are consecutive
+sequences of the held-out documents in stored order, the same at every eval.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from trainer import data as data_lib
+
+EPOCHS_CACHED = 2  # document orders kept per corpus (prefetching may straddle an epoch)
+
+
+class Packer:
+  """One corpus's documents cut into sequences of ``seq_len`` + 1 tokens, epoch after epoch."""
+
+  def __init__(self, stream: data_lib.Stream, seq_len: int, seed: int | None, corpus: int = 0):
+    self.stream, self.seq_len, self.seed, self.corpus = stream, seq_len, seed, corpus
+    self.per_epoch = (stream.num_tokens - 1) // seq_len
+    self._orders, self._lock = {}, threading.Lock()
+
+  def order(self, epoch: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """(documents in epoch order, where each starts in it); stored order without a seed."""
+    if self.seed is None:
+      return None, self.stream.bounds
+    with self._lock:
+      if epoch not in self._orders:
+        rng = np.random.default_rng((self.seed, self.corpus, epoch))
+        perm = rng.permutation(self.stream.num_docs)
+        lengths = np.diff(self.stream.bounds)[perm]
+        self._orders[epoch] = perm, np.concatenate([[0], np.cumsum(lengths)])
+        for old in sorted(self._orders)[:-EPOCHS_CACHED]:
+          del self._orders[old]
+      return self._orders[epoch]
+
+  def runs(self, first_seq: int, count: int):
+    """(epoch, sequence in it, how many): sequences ``first_seq`` ... in contiguous runs."""
+    while count:
+      epoch, seq = divmod(first_seq, self.per_epoch)
+      n = min(count, self.per_epoch - seq)
+      yield epoch, seq, n
+      first_seq, count = first_seq + n, count - n
+
+  def read(self, epoch: int, seq: int, n: int) -> tuple[np.ndarray, list[int]]:
+    """Sequences ``seq`` ... ``seq + n - 1`` of ``epoch``, back to back (n * seq_len + 1
+    tokens: sequence i is [i * seq_len, (i + 1) * seq_len]), and where documents begin."""
+    tokens = np.empty(n * self.seq_len + 1, np.int32)
+    begins = read_ordered(self.stream, self.order(epoch), seq * self.seq_len, tokens)
+    return tokens, begins
+
+
+def read_ordered(stream: data_lib.Stream, order, start: int, tokens: np.ndarray) -> list[int]:
+  """Tokens ``start`` ... of the documents concatenated in ``order`` = (perm, where each
+  starts), into ``tokens``; returns where in ``tokens`` documents begin (0 left out)."""
+  perm, cum = order
+  stop = start + len(tokens)
+  first = int(np.searchsorted(cum, start, 'right')) - 1
+  last = int(np.searchsorted(cum, stop, 'left'))  # documents first ... last - 1 overlap
+  docs = np.arange(first, last) if perm is None else perm[first:last]
+  raw = tokens if tokens.dtype == stream.dtype else np.empty(len(tokens), stream.dtype)
+  sources, lengths, begins = [], [], []
+  for begin, end, source in zip(cum[first:last].tolist(), cum[first + 1:last + 1].tolist(),
+                                stream.bounds[docs].tolist()):
+    a, b = max(begin, start), min(end, stop)
+    sources.append(source + a - begin)
+    lengths.append(b - a)
+    if begin > start:
+      begins.append(begin - start)
+  stream.gather(sources, lengths, raw)
+  if raw is not tokens:
+    tokens[:] = raw
+  return begins
+
+
+def examples(inputs: np.ndarray, targets: np.ndarray, begins: list[int]) -> dict:
+  """Packed examples: ``begins`` are where documents begin in ``inputs``, flattened.
+
+  ``segments`` count the documents of a row from 0; ``positions`` restart at
+  each document and at the row's start. (Cuts are few: Python lists beat numpy's
+  per-call cost on them; only the per-token arrays are numpy's.)
+  """
+  rows, seq_len = inputs.shape
+  size = rows * seq_len
+  cuts = sorted(set(range(0, size, seq_len)).union(b for b in begins if b < size))
+  lengths = [b - a for a, b in zip(cuts, cuts[1:] + [size])]
+  segment, ids = 0, []
+  for cut in cuts:
+    segment = 0 if cut % seq_len == 0 else segment + 1
+    ids.append(segment)
+  positions = np.repeat(np.array(cuts, np.int32), lengths)
+  np.subtract(_arange(size), positions, out=positions)
+  return {'inputs': inputs, 'targets': targets, 'positions': positions.reshape(rows, seq_len),
+          'segments': np.repeat(np.array(ids, np.int32), lengths).reshape(rows, seq_len)}
+
+
+@functools.lru_cache(maxsize=8)
+def _arange(size: int) -> np.ndarray:
+  out = np.arange(size, dtype=np.int32)
+  out.flags.writeable = False
+  return out
+
+
+def _rows(flat: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, targets) of sequences stored back to back, as views."""
+  return flat[:-1].reshape(-1, seq_len), flat[1:].reshape(-1, seq_len)
+
+
+# ------------------------------------------------------------------ training
+
+def train_dataset(data: data_lib.Data, seed: int, batch_size: int, seq_len: int,
+                  rows: np.ndarray) -> grain.MapDataset:
+  """Element k: rows ``rows`` of the global training batch of step k."""
+  if not data.shuffled:
+    build = functools.partial(_window_rows, data.train[0], seed, batch_size, seq_len, rows)
+  else:
+    packers = [Packer(s, seq_len, seed, c) for c, s in enumerate(data.train)]
+    build = functools.partial(_packed_rows, packers, _mixture(packers, data.weights),
+                              batch_size, rows)
+  return grain.MapDataset.range(sys.maxsize).map(build)
+
+
+def _window_rows(stream, seed, batch_size, seq_len, rows, step):
+  """Random windows, drawn from (seed, step) with replacement."""
+  rng = np.random.default_rng((seed, step))
+  offsets = rng.integers(0, stream.num_tokens - seq_len, size=batch_size)
+  tokens, begins = np.empty((len(rows), seq_len + 1), np.int32), []
+  for i, offset in enumerate(offsets[rows].tolist()):
+    found = read_ordered(stream, (None, stream.bounds), offset, tokens[i])
+    begins += [i * seq_len + b for b in found]
+  return examples(tokens[:, :-1], tokens[:, 1:], begins)
+
+
+def _mixture(packers: list[Packer], weights) -> grain.MapDataset | None:
+  """Sequence i of the mixed stream -> (corpus, sequence in its stream); None for one corpus."""
+  if len(packers) == 1:
+    return None
+  parts = [grain.MapDataset.range(sys.maxsize).map(functools.partial(_tag, c))
+           for c in range(len(packers))]
+  return grain.MapDataset.mix(parts, list(weights))
+
+
+def _tag(corpus: int, index: int) -> tuple[int, int]:
+  return corpus, index
+
+
+def _packed_rows(packers, mixture, batch_size, rows, step):
+  """Each run of rows that holds consecutive sequences of one corpus is read at once."""
+  first = step * batch_size
+  picks = [(0, first + r) if mixture is None else mixture[first + r] for r in rows.tolist()]
+  seq_len = packers[0].seq_len
+  runs, i = [], 0
+  while i < len(picks):
+    corpus, seq = picks[i]
+    n = 1
+    while i + n < len(picks) and picks[i + n] == (corpus, seq + n):
+      n += 1
+    runs += [(packers[corpus],) + run for run in packers[corpus].runs(seq, n)]
+    i += n
+  if len(runs) == 1:  # the common case: the rows are views of one read
+    flat, begins = runs[0][0].read(*runs[0][1:])
+    return examples(*_rows(flat, seq_len), begins)
+  tokens, begins, row = np.empty((len(picks), seq_len + 1), np.int32), [], 0
+  for packer, epoch, seq, n in runs:
+    flat, found = packer.read(epoch, seq, n)
+    tokens[row:row + n, :-1] = flat[:-1].reshape(n, seq_len)
+    tokens[row:row + n, -1] = flat[seq_len::seq_len]
+    begins += [row * seq_len + b for b in found]
+    row += n
+  return examples(tokens[:, :-1], tokens[:, 1:], begins)
+
+
+class TrainBatches:
+  """``batches(step)``: the global batch of ``step``, laid out as ``sharding``.
+
+  Consecutive steps come from Grain's prefetching iterator; asking for another
+  step repositions it. ``position()`` is the iterator's state after the last
+  batch handed out: where a resumed run continues.
+  """
+
+  def __init__(self, dataset: grain.MapDataset, sharding, batch_size: int, prefetch: int):
+    self._iterator = iter(dataset.to_iter_dataset(read_options(prefetch)))  # idle until asked
+    self._sharding, self._batch_size = sharding, batch_size
+    self._last = (None, None)
+
+  def __call__(self, step: int) -> dict[str, jax.Array]:
+    if self._last[0] == step:
+      return self._last[1]
+    self.seek({'next_index': step})
+    batch = to_global(next(self._iterator), self._sharding, self._batch_size)
+    self._last = (step, batch)
+    return batch
+
+  def seek(self, position: dict) -> None:
+    """Continues from ``position`` (a ``position()``, as a checkpoint stores it)."""
+    if self._iterator.get_state() != position:
+      self._iterator.set_state(position)
+
+  def position(self) -> dict:
+    return self._iterator.get_state()
+
+  def close(self) -> None:
+    self._iterator.close()
+
+
+def read_options(prefetch: int) -> grain.ReadOptions:
+  """``prefetch`` batches built ahead by one background thread (0: none, built when asked).
+
+  One thread: batches are mostly Python, so more threads only contend for the GIL.
+  """
+  return grain.ReadOptions(num_threads=min(prefetch, 1), prefetch_buffer_size=prefetch)
+
+
+def identity(data: data_lib.Data, batch_size: int, seq_len: int) -> dict:
+  """What defines the training batches, beyond the seed; a resume must match it.
+
+  Shuffled corpora count their position in sequences of ``seq_len`` taken
+  ``batch_size`` at a time, so those must match too.
+  """
+  if not data.shuffled:
+    return data.identity
+  return {**data.identity, 'batch_size': batch_size, 'seq_len': seq_len}
+
+
+# ------------------------------------------------------------------- held-out
+
+def eval_rows(data: data_lib.Data, index: int, batch_size: int, seq_len: int,
+              rows: np.ndarray) -> dict[str, np.ndarray]:
+  """Rows of held-out batch ``index``: consecutive sequences of the held-out documents.
+
+  With a tokenizer other than bytes, ``target_bytes`` holds the UTF-8 bytes
+  each target accounts for (-1: end of document).
+  """
+  packer = Packer(data.eval, seq_len, None)
+  tokens, begins = np.empty((len(rows), seq_len + 1), np.int32), []
+  for i, r in enumerate(rows.tolist()):
+    flat, found = packer.read(0, index * batch_size + r, 1)
+    tokens[i] = flat
+    begins += [i * seq_len + b for b in found]
+  out = examples(tokens[:, :-1], tokens[:, 1:], begins)
+  if data.eval.byte_counts is not None:
+    out['target_bytes'] = np.empty((len(rows), seq_len), np.int32)
+    for i, r in enumerate(rows.tolist()):
+      begin = (index * batch_size + r) * seq_len + 1
+      data.eval.read(begin, begin + seq_len, out['target_bytes'][i], counts=True)
+  return out
+
+
+# -------------------------------------------------------------- process rows
+
+def local_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> np.ndarray:
+  """Indices of the batch rows this process's devices hold, in order."""
+  rows = set()
+  for index in sharding.addressable_devices_indices_map(global_shape).values():
+    rows.update(range(*index[0].indices(global_shape[0])))
+  return np.array(sorted(rows))
+
+
+def to_global(batch: dict[str, np.ndarray], sharding: jax.sharding.Sharding,
+              global_batch: int) -> dict[str, jax.Array]:
+  """Assembles per-process rows into global arrays laid out as ``sharding``."""
+  return {k: jax.make_array_from_process_local_data(
+              sharding, v, (global_batch,) + v.shape[1:])
+          for k, v in batch.items()}
+
+
+def make(data: data_lib.Data, cfg: Any, sharding) -> tuple[TrainBatches, list]:
+  """(training batches, held-out batches) of a run, each process building its rows."""
+  rows = local_rows(sharding, (cfg.batch_size, cfg.seq_len))
+  batches = TrainBatches(train_dataset(data, cfg.seed, cfg.batch_size, cfg.seq_len, rows),
+                         sharding, cfg.batch_size, cfg.data.prefetch)
+  held = [to_global(eval_rows(data, i, cfg.batch_size, cfg.seq_len, rows), sharding,
+                    cfg.batch_size) for i in range(cfg.eval_steps)]
+  return batches, held
