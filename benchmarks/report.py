@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from parallelism import step_model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')
 OUT = os.path.join(ROOT, 'docs', 'benchmarks')
@@ -201,17 +203,6 @@ def render_cpu(cpu: dict, plots) -> list[str]:
   return lines
 
 
-def calibration_summary() -> str:
-  """The calibration's errors, from docs/calibration.json (benchmarks.calibrate)."""
-  path = os.path.join(ROOT, 'docs', 'calibration.json')
-  if not os.path.exists(path):
-    return ' (not run yet: `python -m benchmarks.calibrate`)'
-  with open(path, encoding='utf-8') as f:
-    rows = json.load(f)
-  errors = ', '.join(f"{r['config']} {r['modeled']['error_points']:+.1f}" for r in rows)
-  return f': modeled minus measured MFU, in points, {errors}'
-
-
 # Targets of the issue "Decomposition that wins at scale", read off the modeled numbers.
 TARGETS = {'ours_vs_baseline': 1.14, 'ours_vs_baseline_all': 1.0, 'ours_compute_within': 1.05}
 
@@ -269,8 +260,8 @@ def render_aot(aot: dict, plots) -> list[str]:
            'the compiler. Step times, communication and MFU are **modeled**: an analytical '
            'model over the compiled, scheduled TPU program (`parallelism/step_model.py`, whose '
            'docstring states the formulas), not a measurement on TPUs. Its calibration against '
-           'measured MFU, with the error, is in [calibration.md](calibration.md)'
-           + calibration_summary() + '.', '']
+           'measured MFU, with the error, is in [calibration.md](calibration.md): '
+           + step_model.calibration_summary() + '.', '']
   rows = []
   for name, s in aot.items():
     m = s['variants'].get('ours') or next(iter(s['variants'].values()))

@@ -383,6 +383,9 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
                    f"{m['communication_seconds']:8.3f} "
                    f"{m['exposed_communication_seconds']:14.3f} {m['mfu']:11.1%} {speed:>15s}")
     lines.append('  (modeled speedup = baseline modeled step time / variant modeled step time)')
+    from parallelism import step_model  # pylint: disable=g-import-not-at-top
+    lines.append(f'  step model calibration: {step_model.calibration_summary()} '
+                 '(docs/calibration.md)')
   p = s['paper']
   lines.append(f"paper ({p['source']}): {p['speedup'][0]}x-{p['speedup'][1]}x throughput, "
                f"{p['mfu_500b_1024_chips']:.0%} of peak FLOPS for 500B on 1024 chips")

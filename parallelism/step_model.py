@@ -74,7 +74,9 @@ modeled MFU: the model's FLOPs per step / (chips x peak x step time).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 from typing import Sequence
 
@@ -617,6 +619,21 @@ def _constant(instrs: dict[str, Instr], tup: Instr, index: int) -> int:
   if x is None or x.opcode != 'constant':
     raise ValueError('not a constant')
   return int(x.literal)
+
+
+CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           'docs', 'calibration.json')
+
+
+def calibration_summary() -> str:
+  """The model's error against measured MFU (docs/calibration.json, written by
+  ``python -m benchmarks.calibrate``), to show next to every modeled number."""
+  if not os.path.exists(CALIBRATION):
+    return 'not calibrated yet (python -m benchmarks.calibrate)'
+  with open(CALIBRATION, encoding='utf-8') as f:
+    rows = json.load(f)
+  errors = ', '.join(f"{r['config']} {r['modeled']['error_points']:+.1f}" for r in rows)
+  return f'modeled minus measured MFU on MaxText\'s v5p runs, in points: {errors}'
 
 
 def analyze(text: str, chip: Chip, coords=None) -> Result:
