@@ -24,7 +24,6 @@ import tempfile
 import ml_collections
 
 from trainer import config as config_lib
-from trainer.config import ConfigError
 
 
 def parse_args(argv):
