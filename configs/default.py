@@ -123,8 +123,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.collective_matmul = 'always'    # auto (cost model) | always | never
   c.parallelism.direction = 'unidirectional'    # ring direction under 'always'
   c.parallelism.unroll = 1                      # ring steps per loop iteration: 1 | 2
-  # Reduce-scatter rings' accumulators on the wire: compute (the model's dtype; each
-  # device adds in fp32) | float32.
+  # Partial sums on the wire (reduce-scatter rings, and the compiler's collectives of plain
+  # einsums): compute (the model's dtype; each device adds in fp32) | float32.
   c.parallelism.ring_dtype = 'compute'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that

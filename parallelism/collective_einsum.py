@@ -165,10 +165,13 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     unroll: 1, or 2 for two ring steps per loop iteration.
     hardware: a ``parallelism.hardware`` profile name for the cost model
       (default: ``cpu``, where decomposition never pays).
-    ring_dtype: what reduce-scatter accumulators travel in (``RING_DTYPES``).
+    ring_dtype: what partial sums travel in (``RING_DTYPES``): the rings'
+      reduce-scatter accumulators, and under ``none`` the dot's output, which the
+      compiler's reduce-scatter or all-reduce carries.
 
   Returns:
-    The result laid out as ``out_spec``; bf16 inputs accumulate in fp32.
+    The result laid out as ``out_spec``; bf16 products accumulate in fp32 on
+    each device (in the MXU under ``none``).
   """
   if unroll not in (1, 2):
     raise ValueError(f'unroll={unroll} is not 1 or 2')
@@ -192,8 +195,11 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
   if decision.mode == 'none':
-    out = jnp.einsum(decision.equation, lhs, rhs,
-                     preferred_element_type=_acc(dtype)).astype(dtype)
+    # The dot's output type is what the compiler's reduce-scatter or all-reduce of partial
+    # sums carries: the compute dtype (the MXU still accumulates each shard's products in
+    # fp32), as the rings do, unless ring_dtype says float32.
+    wire = dtype if ring_dtype == 'compute' else _acc(dtype)
+    out = jnp.einsum(decision.equation, lhs, rhs, preferred_element_type=wire).astype(dtype)
   else:
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,

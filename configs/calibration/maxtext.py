@@ -2,7 +2,9 @@ r"""What MaxText's measured TPU v5p runs share (MaxText/configs/v5p/*.sh).
 
 Every row: sequence length 2048, vocabulary 32000, head_dim 128, as many
 key/value heads as query heads, SwiGLU, untied embeddings, bf16 compute over
-fp32 weights and AdamW moments, synthetic data, layers scanned, MaxText's XLA
+fp32 weights and AdamW moments, synthetic data, layers scanned, the splash
+attention kernel (MaxText's ``attention='flash'`` on a TPU is the same Pallas
+kernel, with blocks of 512, its ``sa_block_*`` defaults), MaxText's XLA
 flags (the ``tpu_v5p`` row of parallelism/hardware.py), and XLA's windowed
 einsum at its default threshold: ``python -m benchmarks.calibrate`` compiles
 the ``xla`` variant of launch.aot, what MaxText ran. The files beside this one
@@ -36,6 +38,8 @@ def get_config(*, d_model: int, heads: int, mlp: int, layers: int, topology: str
   c.model.param_dtype = 'float32'
   c.model.scan_layers = True
   c.model.remat = remat
+  c.model.attention = 'splash'
+  c.model.attention_block = 512
   c.data.path = 'synthetic'
   c.mesh.data = 1
   c.mesh.fsdp = fsdp

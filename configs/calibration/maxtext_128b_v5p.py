@@ -5,9 +5,8 @@ MaxText/configs/v5p/128b.sh: global_parameter_scale=128, per_device_batch_size=1
 ici_tensor_parallelism=8, remat_policy=minimal, attention='flash').
 
 Differences from MaxText's run that remain: those listed in
-configs/calibration/maxtext_32b_v5p.py (attention without a flash kernel, a
-sequence-parallel residual stream, synthetic tokens instead of iota
-embeddings).
+configs/calibration/maxtext_32b_v5p.py (a sequence-parallel residual
+stream, synthetic tokens instead of iota embeddings).
 """
 
 from configs.calibration import maxtext
