@@ -71,9 +71,13 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
   return {'single': single, 'chunked': chunked}
 
 
-def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, setting: str,
+def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: str,
            hardware: str) -> ExchangeDecision:
-  """Applies ``parallelism.collective_matmul`` (never | always | auto) to one layer."""
+  """One layer's exchange in ``mode``: single | chunked | auto (the cost model picks).
+
+  ``MatmulPolicy.choose`` asks for single under ``collective_matmul=never`` and
+  chunked under ``always``; the reasons name those settings.
+  """
   n = mesh.shape[axis] if axis else 1
   b, e, c, d = shape_becd
   chunk_shape = lambda k: (e, b, c // k, d)
@@ -81,10 +85,10 @@ def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, setting:
   if n == 1:
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
                             'no expert parallelism: no all-to-all')
-  if setting == 'never' or chunks == 1:
-    why = 'collective_matmul="never"' if setting == 'never' else 'moe.overlap_chunks=1'
+  if mode == 'single' or chunks == 1:
+    why = 'collective_matmul="never"' if mode == 'single' else 'moe.overlap_chunks=1'
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware, why)
-  if setting == 'always':
+  if mode == 'chunked':
     return ExchangeDecision('chunked', chunks, axis, chunk_shape(chunks), seconds, hardware,
                             'collective_matmul="always"')
   mode = min(seconds, key=seconds.get)

@@ -205,7 +205,10 @@ def load_model(path: str, model_cfg, tensor: int):
   from trainer import checkpoint  # pylint: disable=g-import-not-at-top
   mesh_cfg = {a: 1 for a in mesh_lib.AXES} | {f'dcn_{a}': 1 for a in mesh_lib.AXES}
   mesh = mesh_lib.make_mesh(mesh_cfg | {'tensor': tensor}, jax.devices()[:tensor])
-  ops = sharding.ShardedOps(mesh, GENERATE_RULES)  # policy: plain einsums
+  # Plain einsums: one token at a time gives a collective nothing to overlap with.
+  ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(0), ops), (1, 1),
+                             mesh=mesh, rules=GENERATE_RULES,
+                             policy=sharding.MatmulPolicy(collective_matmul='never'))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0), ops)))
   specs = sharding.state_specs(abstract, GENERATE_RULES)
   sharding.check_divisible(abstract, specs, mesh)
