@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import hardware as hw, step_model
 from parallelism.cost_model import CPU_NOMINAL_FLOPS
+from parallelism.einsum_plan import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +112,10 @@ def exchange(x, mesh, axis: str, in_spec: PartitionSpec, out_spec: PartitionSpec
 
 def check_layout(axis: str, dispatched: PartitionSpec, at_experts: PartitionSpec) -> None:
   """Raises ValueError unless the two layouts are what ``exchange`` moves between."""
-  as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
-  batch_in, exp_at = as_tuple(dispatched[0]), as_tuple(at_experts[0])
-  batch_at = as_tuple(at_experts[1])
+  batch_in, exp_at = axes_of(dispatched[0]), axes_of(at_experts[0])
+  batch_at = axes_of(at_experts[1])
   if (exp_at != (axis,) or not batch_in or batch_in[-1] != axis
-      or batch_in[:-1] != batch_at or as_tuple(dispatched[1])):
+      or batch_in[:-1] != batch_at or axes_of(dispatched[1])):
     raise ValueError(
         f'expert parallelism over {axis!r} needs the batch rule to end with {axis!r} and a '
         f'second batch rule without it (e.g. [batch, [data, fsdp, {axis}]], [batch, '

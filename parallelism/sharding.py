@@ -10,6 +10,7 @@ names without a rule are replicated.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, TypeVar
 
@@ -22,6 +23,7 @@ from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops
 from parallelism import moe
 from parallelism.collective_einsum import RING_DTYPES, explain, run_decision
+from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 T = TypeVar('T')
@@ -34,8 +36,7 @@ def normalize_rules(table: Iterable[Sequence[Any]]) -> Rules:
     if len(row) != 2:
       raise ValueError(f'logical axis rule {row!r} is not a [logical, mesh_axes] pair')
     logical, axes = row
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    rules.append((str(logical), axes))
+    rules.append((str(logical), axes_of(axes)))
   return tuple(rules)
 
 
@@ -44,16 +45,10 @@ def logical_to_spec(axes: Axes, rules: Rules) -> PartitionSpec:
   used: set[str] = set()
   spec = []
   for name in axes:
-    choice = None
-    for logical, mesh_axes in rules:
-      if logical == name and not used.intersection(mesh_axes):
-        choice = mesh_axes
-        break
-    if choice:
-      used.update(choice)
-      spec.append(choice[0] if len(choice) == 1 else choice)
-    else:
-      spec.append(None)
+    choice = next((mesh_axes for logical, mesh_axes in rules
+                   if logical == name and not used.intersection(mesh_axes)), ())
+    used.update(choice)
+    spec.append(spec_entry(choice))
   return PartitionSpec(*spec)
 
 
@@ -91,14 +86,9 @@ def check_divisible(abstract_state: Any, specs: Any, mesh: jax.sharding.Mesh) ->
     raise ValueError('parameter dims not divisible by their mesh axes: ' + '; '.join(bad))
 
 
-def mesh_axis_size(mesh: jax.sharding.Mesh, axes: Any) -> int:
-  if axes is None:
-    return 1
-  axes = (axes,) if isinstance(axes, str) else axes
-  size = 1
-  for a in axes:
-    size *= mesh.shape[a]
-  return size
+def mesh_axis_size(mesh: jax.sharding.Mesh, spec_entry: Any) -> int:
+  """How many devices one PartitionSpec entry splits a dimension over."""
+  return math.prod(mesh.shape[a] for a in axes_of(spec_entry))
 
 
 def _is_spec(x: Any) -> bool:
