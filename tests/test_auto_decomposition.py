@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests import hlo_utils
+from parallelism import hlo_text
 from tests.test_cli import DEFAULT, TINY
 from trainer import loop, step, train
 
@@ -82,7 +82,8 @@ def test_compiled_step_has_no_tensor_collective_in_decomposed_layers(setups):
   found = {}
   for policy, (run, s) in setups.items():
     hlo = s.train_step.lower(s.state, s.get_batch(0)).compile().as_text()
-    found[policy] = hlo_utils.collectives_over(hlo, run.mesh, 'tensor', in_layers)
+    found[policy] = hlo_text.collectives_over(hlo_text.parse(hlo), run.mesh, 'tensor',
+                                              in_layers)
   assert found['never'], 'the plain step must need tensor collectives in these layers'
   assert not found['always'], found['always']
 

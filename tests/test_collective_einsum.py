@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallelism import cost_model, einsum_plan, mesh as mesh_lib
-from tests import hlo_utils
+from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, step_model
 from parallelism.collective_einsum import collective_einsum, explain
 
 T, D = 'tensor', 'data'
@@ -97,40 +96,17 @@ def test_matches_plain_einsum(pattern, tensor, dtype, mode, unroll, base):
 
 # ----------------------------------------------------------------- HLO checks
 
-def _executed_permutes(hlo: str, op: str = r'collective-permute(-start)?\(') -> int:
-  """Instructions matching ``op`` (collective-permutes) a compiled module executes:
-  loop bodies x trip counts."""
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    m = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
-    if m:
-      name = m.group(1)
-      comps[name] = []
-    elif name:
-      comps[name].append(line)
-
-  @functools.cache
-  def count(comp):
-    total = 0
-    for line in comps.get(comp, ()):
-      if re.search(op, line):
-        total += 1
-      for callee in re.findall(r'(?:to_apply|calls)=%?([\w.\-]+)', line):
-        total += count(callee)
-      if ' while(' in line:
-        body = re.search(r'body=%?([\w.\-]+)', line).group(1)
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-        assert trips, f'no known trip count on: {line[:200]}'
-        total += int(trips.group(1)) * count(body)
-    return total
-
-  entry = re.search(r'^ENTRY %?([\w.\-]+)', hlo, re.M).group(1)
-  return count(entry)
+def _executed_permutes(hlo: str) -> int:
+  """Collective-permutes a compiled module executes: loop bodies x trip counts, as the
+  step model counts them (the chip only sets times, unused here)."""
+  counts = step_model.analyze(hlo, step_model.Chip.from_profile('tpu_v4')).collectives
+  return counts.get('collective-permute', {}).get('count', 0)
 
 
 def _collectives(hlo: str) -> dict[str, int]:
-  kinds = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all')
-  return {k: len(re.findall(rf'\b{k}(-start)?\(', hlo)) for k in kinds}
+  ops = [i.opcode.removesuffix('-start')
+         for instrs in hlo_text.parse(hlo).computations.values() for i in instrs]
+  return {k: ops.count(k) for k in hlo_text.GROUP_COLLECTIVES}
 
 
 @pytest.mark.parametrize('pattern', PATTERNS, ids=[p[0] + ':' + p[4] for p in PATTERNS])
@@ -156,7 +132,7 @@ def test_hlo_has_no_collective_over_the_decomposed_axis(pattern):
         assert sum(_collectives(hlo).values()) == 0, _collectives(hlo)
         assert _executed_permutes(hlo) == steps
     if mode != 'none':  # sequential steps: the longer of the two ring directions
-      offsets = hlo_utils.permute_offsets(hlos[0], mesh, T)
+      offsets = hlo_text.permute_offsets(hlo_text.parse(hlos[0]), mesh, T)
       rounds = max(offsets.count(1), offsets.count(n - 1))
       assert rounds == (n - 1 if mode == 'unidirectional' else -(-(n - 1) // 2)), offsets
 
