@@ -40,6 +40,16 @@ def normalize_rules(table: Iterable[Sequence[Any]]) -> Rules:
   return tuple(rules)
 
 
+# Logical axes along a sequence: rules may split them (sequence parallelism) in training.
+SEQUENCE_AXES = ('length', 'residual_length', 'cache_length')
+
+
+def decode_rules(rules: Rules) -> Rules:
+  """``rules`` for decoding: without the sequence axes, since one new token has no
+  sequence to split."""
+  return tuple(rule for rule in rules if rule[0] not in SEQUENCE_AXES)
+
+
 def logical_to_spec(axes: Axes, rules: Rules) -> PartitionSpec:
   """Maps logical axis names to a PartitionSpec by first-fit over ``rules``."""
   used: set[str] = set()
