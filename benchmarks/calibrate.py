@@ -94,8 +94,9 @@ class Row:
     return self.modeled
 
 
-def compile_row(path: str, args, overrides, hlo_dir: str) -> Row:
+def compile_row(path: str, args, overrides, hlo_dir: str, progress: str) -> Row:
   """Compiles ``path``'s ``maxtext`` variant (raises ConfigError on bad input)."""
+  print(f'[{progress}] {path}: compiling (one at a time)...', file=sys.stderr, flush=True)
   cfg = config_lib.load(path, overrides)
   if not cfg.get('aot', {}).get('measured_mfu'):
     raise ConfigError(f'{path} has no aot.measured_mfu (the measurement to check against)')
@@ -216,20 +217,13 @@ def main(argv=None) -> int:
     print("error: docs/calibration.png needs matplotlib: pip install -e '.[plot]'",
           file=sys.stderr)
     return 2
-  rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    hlo_dir = args.hlo_dir or tmp
-    for i, path in enumerate(paths):
-      print(f'[{i + 1}/{len(paths)}] {path}: compiling (one at a time)...', file=sys.stderr,
-            flush=True)
-      try:
-        rows.append(compile_row(path, args, overrides, hlo_dir))
-      except ConfigError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-      except RuntimeError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 1
+    try:
+      rows = [compile_row(path, args, overrides, args.hlo_dir or tmp, f'{i + 1}/{len(paths)}')
+              for i, path in enumerate(paths)]
+    except (ConfigError, RuntimeError) as e:  # bad input exits 2, a compiler refusal 1
+      print(f'error: {e}', file=sys.stderr)
+      return 2 if isinstance(e, ConfigError) else 1
     chip_name = aot.parse_topology(rows[0].topology)[0].name
     if args.fit:
       print(f'fitted constants: {json.dumps(fit(rows, chip_name))}', file=sys.stderr)

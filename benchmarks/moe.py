@@ -38,14 +38,18 @@ def build(policy: str, chunks: int):
   from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
   mesh = mesh_lib.make_mesh(dict(data=2, fsdp=1, tensor=1, expert=4, dcn_data=1, dcn_fsdp=1,
                                  dcn_tensor=1, dcn_expert=1))
-  ops = sharding.ShardedOps(mesh, sharding.normalize_rules(RULES),
-                            sharding.MatmulPolicy(policy))
+  rules, policy = sharding.normalize_rules(RULES), sharding.MatmulPolicy(policy)
   moe = MoeConfig(num_experts=SHAPE['experts'], top_k=SHAPE['top_k'],
                   mlp_dim=SHAPE['mlp_dim'], overlap_chunks=chunks)
-  layer = MoeMlp(moe, SHAPE['d_model'], 2, 'float32', 'float32', ops, nnx.Rngs(0))
+  make_layer = lambda ops: MoeMlp(moe, SHAPE['d_model'], 2, 'float32', 'float32', ops,
+                                  nnx.Rngs(0))
+  x_shape = (SHAPE['sequences'], SHAPE['seq_len'], SHAPE['d_model'])
+  plan = sharding.plan_layers(lambda ops: make_layer(ops)(jnp.zeros(x_shape), RESIDUAL),
+                              mesh=mesh, rules=rules, policy=policy)
+  ops = sharding.ShardedOps(mesh, rules, policy, plan)
+  layer = make_layer(ops)
   graphdef, params = nnx.split(layer)
-  x = jax.random.normal(jax.random.key(1), (SHAPE['sequences'], SHAPE['seq_len'],
-                                            SHAPE['d_model']), jnp.float32)
+  x = jax.random.normal(jax.random.key(1), x_shape, jnp.float32)
   x = jax.device_put(x, jax.sharding.NamedSharding(mesh, ops.spec(('batch', 'length', 'embed'))))
 
   def forward(params, x):
@@ -56,9 +60,7 @@ def build(policy: str, chunks: int):
 
   fwd = jax.jit(forward)
   fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  fwd.lower(params, x)  # tracing records the decision
-  decision = ops.decisions['moe.exchange'][0]
-  return fwd, fwd_bwd, params, x, decision
+  return fwd, fwd_bwd, params, x, plan['moe.exchange'].decision
 
 
 def _time_pair(fns, args, repeats):

@@ -200,7 +200,7 @@ def worker(args, overrides) -> int:
   start = time.perf_counter()
   lowered = program.train_step.lower(program.abstract_state,
                                      program.abstract_batch(cfg.batch_size, cfg.seq_len))
-  out['layers'] = report.rows(program.ops.decisions)
+  out['layers'] = report.rows(program.ops.plan)
   try:
     compiled = lowered.compile()
   except Exception as e:  # pylint: disable=broad-except

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.ops import Ops
+from models.ops import Ops, param
 
 DISPATCHED = ('batch', 'exp', 'capacity', 'embed')   # before the exchange
 AT_EXPERTS = ('exp', 'batch', 'capacity', 'embed')   # after it
@@ -125,12 +125,6 @@ def route(logits_bte: jax.Array, top_k: int, capacity: int) -> Routing:
       router_z_loss=jnp.mean(jax.nn.logsumexp(logits_bte, axis=-1) ** 2))
 
 
-def _param(rngs, shape, axes, dtype, fan_in, scale=1.0) -> nnx.Param:
-  init = jax.nn.initializers.normal(stddev=scale * fan_in ** -0.5)
-  return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), out_sharding=axes,
-                   eager_sharding=False)
-
-
 class MoeMlp(nnx.Module):
   """Routes tokens to SwiGLU experts and combines their outputs by gate."""
 
@@ -138,11 +132,11 @@ class MoeMlp(nnx.Module):
                param_dtype: str, ops: Ops, rngs: nnx.Rngs, path: str = 'moe'):
     self.moe, self.dtype, self.ops, self.path = moe, dtype, ops, path
     d, e, f = d_model, moe.num_experts, moe.mlp_dim
-    self.router_de = _param(rngs, (d, e), ('embed', None), param_dtype, d)
-    self.gate_edf = _param(rngs, (e, d, f), ('exp', 'embed', 'mlp'), param_dtype, d)
-    self.up_edf = _param(rngs, (e, d, f), ('exp', 'embed', 'mlp'), param_dtype, d)
-    self.down_efd = _param(rngs, (e, f, d), ('exp', 'mlp', 'embed'), param_dtype, f,
-                           scale=(2 * num_layers) ** -0.5)
+    self.router_de = param(rngs, (d, e), ('embed', None), param_dtype, d)
+    self.gate_edf = param(rngs, (e, d, f), ('exp', 'embed', 'mlp'), param_dtype, d)
+    self.up_edf = param(rngs, (e, d, f), ('exp', 'embed', 'mlp'), param_dtype, d)
+    self.down_efd = param(rngs, (e, f, d), ('exp', 'mlp', 'embed'), param_dtype, f,
+                          scale=(2 * num_layers) ** -0.5)
 
   def __call__(self, x_btd: jax.Array, residual_axes) -> tuple[jax.Array, dict]:
     ops, dt = self.ops, jnp.dtype(self.dtype)

@@ -11,8 +11,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 Axes = tuple[str | None, ...]
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, dtype: str, fan_in: int,
+          scale: float = 1.0) -> nnx.Param:
+  """A weight drawn from ``N(0, (scale / sqrt(fan_in))^2)``, named by its logical ``axes``.
+
+  The axes are metadata only (``out_sharding``): ``parallelism.sharding``
+  lays the weight out when the state is created sharded, not here.
+  """
+  init = jax.nn.initializers.normal(stddev=scale * fan_in ** -0.5)
+  return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), out_sharding=axes,
+                   eager_sharding=False)
 
 
 class Ops:

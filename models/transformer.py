@@ -27,7 +27,7 @@ from flax import nnx
 
 from models.attention import attend_blockwise, attend_cudnn, attend_splash
 from models.moe import MoeConfig, MoeMlp, zero_aux
-from models.ops import Ops
+from models.ops import Ops, param
 
 # 'minimal' is MaxText's name for 'dots': keep the projections' outputs (dots
 # without batch dimensions), recompute the rest (norms, attention, activations).
@@ -104,13 +104,6 @@ class TransformerConfig:
                          'float32, bfloat16, float16')
 
 
-def _param(rngs: nnx.Rngs, shape, axes, cfg: TransformerConfig, fan_in: int,
-           scale: float = 1.0) -> nnx.Param:
-  init = jax.nn.initializers.normal(stddev=scale * fan_in ** -0.5)
-  value = init(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
-  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
 class RMSNorm(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig):
@@ -145,11 +138,11 @@ class Attention(nnx.Module):
   def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str = 'attn'):
     self.cfg, self.ops, self.path = cfg, ops, path
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.q_dnh = _param(rngs, (d, n, h), ('embed', 'heads', 'head_dim'), cfg, d)
-    self.k_dkh = _param(rngs, (d, k, h), ('embed', 'kv_heads', 'head_dim'), cfg, d)
-    self.v_dkh = _param(rngs, (d, k, h), ('embed', 'kv_heads', 'head_dim'), cfg, d)
-    self.o_nhd = _param(rngs, (n, h, d), ('heads', 'head_dim', 'embed'), cfg,
-                        n * h, scale=(2 * cfg.num_layers) ** -0.5)
+    self.q_dnh = param(rngs, (d, n, h), ('embed', 'heads', 'head_dim'), cfg.param_dtype, d)
+    self.k_dkh = param(rngs, (d, k, h), ('embed', 'kv_heads', 'head_dim'), cfg.param_dtype, d)
+    self.v_dkh = param(rngs, (d, k, h), ('embed', 'kv_heads', 'head_dim'), cfg.param_dtype, d)
+    self.o_nhd = param(rngs, (n, h, d), ('heads', 'head_dim', 'embed'), cfg.param_dtype,
+                       n * h, scale=(2 * cfg.num_layers) ** -0.5)
 
   def __call__(self, x_btd, positions_bt, segments_bt):
     q_btnh, k_btkh, v_btkh = self._qkv(x_btd, positions_bt)
@@ -244,10 +237,10 @@ class Mlp(nnx.Module):
   def __init__(self, cfg: TransformerConfig, ops: Ops, rngs: nnx.Rngs, path: str = 'mlp'):
     self.cfg, self.ops, self.path = cfg, ops, path
     d, f = cfg.d_model, cfg.mlp_dim
-    self.gate_df = _param(rngs, (d, f), ('embed', 'mlp'), cfg, d)
-    self.up_df = _param(rngs, (d, f), ('embed', 'mlp'), cfg, d)
-    self.down_fd = _param(rngs, (f, d), ('mlp', 'embed'), cfg, f,
-                          scale=(2 * cfg.num_layers) ** -0.5)
+    self.gate_df = param(rngs, (d, f), ('embed', 'mlp'), cfg.param_dtype, d)
+    self.up_df = param(rngs, (d, f), ('embed', 'mlp'), cfg.param_dtype, d)
+    self.down_fd = param(rngs, (f, d), ('mlp', 'embed'), cfg.param_dtype, f,
+                         scale=(2 * cfg.num_layers) ** -0.5)
 
   def __call__(self, x_btd):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
@@ -315,8 +308,8 @@ class Transformer(nnx.Module):
     cfg.validate()
     self.cfg = cfg
     self.ops = ops = ops or Ops()
-    self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model),
-                           ('vocab', 'embed'), cfg, 1)
+    self.embed_vd = param(rngs, (cfg.vocab_size, cfg.d_model),
+                          ('vocab', 'embed'), cfg.param_dtype, 1)
     if cfg.scan_layers:
       unit = lambda rngs: (Block(cfg, ops, rngs, 'blocks.*', moe_layer=cfg.moe.enabled)
                            if cfg.layers_per_unit == 1 else BlockGroup(cfg, ops, rngs, 'blocks.*'))
@@ -332,8 +325,8 @@ class Transformer(nnx.Module):
                               for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg)
     if not cfg.tie_embeddings:
-      self.unembed_dv = _param(rngs, (cfg.d_model, cfg.vocab_size),
-                               ('embed', 'vocab'), cfg, cfg.d_model)
+      self.unembed_dv = param(rngs, (cfg.d_model, cfg.vocab_size),
+                              ('embed', 'vocab'), cfg.param_dtype, cfg.d_model)
 
   def __call__(self, tokens_bt, positions_bt=None, segments_bt=None, return_aux=False):
     """Logits; with ``return_aux`` also the MoE aux record, averaged over MoE layers."""

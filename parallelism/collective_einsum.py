@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -275,11 +276,25 @@ def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring'):
   return out.astype(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """What each device's ring body needs, fixed when the einsum is traced."""
+  eq: Equation
+  plan: AxisPlan          # the decomposed axis and its collective
+  n: int                  # devices on the ring
+  split: tuple[int, int]  # ring.ring_split: contributions arriving from each direction
+  unroll: int | bool      # ring steps per loop iteration (True: all of them)
+  dtype: Any              # the einsum's result dtype
+  wire: Any               # what reduce-scatter accumulators travel in (None: fp32)
+  manual: tuple[str, ...]  # the shard_map's manual axes: the ring's, then ``summed``
+  summed: tuple[str, ...]  # axes whose partial sums are reduced after the ring
+  scatter: dict           # output dim -> the summed axes it is reduce-scattered over
+
+
 def _ring_einsum(cfg: _Static, lhs, rhs):
   """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` (and summed axes)."""
   eq, plan = _axis_plan(cfg)
   n = cfg.mesh.shape[cfg.axis]
-  split = ring.ring_split(n, cfg.bidirectional)
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   # XLA's in-process CPU collectives can fail when one collective-permute runs
   # again right away, as in a loop: a device that is fast re-enters the
@@ -301,14 +316,14 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
                  if cfg.mesh.shape[a] > 1)
   manual = (cfg.axis,) + summed
   keep = lambda spec: PartitionSpec(*[
-      tuple(a for a in einsum_plan.axes_of(e) if a in manual) or None for e in spec])
+      einsum_plan.spec_entry(tuple(a for a in einsum_plan.axes_of(e) if a in manual))
+      for e in spec])
   scatter, out_spec = _reduction(eq, summed, cfg.out_spec, manual)
-  wire = None if cfg.wire_fp32 else dtype
-  body = functools.partial(_local, eq, plan, n, split, unroll, dtype, wire, manual, summed,
-                           scatter)
+  r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
+            None if cfg.wire_fp32 else dtype, manual, summed, scatter)
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
-    return jax.shard_map(body, mesh=cfg.mesh,
+    return jax.shard_map(functools.partial(_local, r), mesh=cfg.mesh,
                          in_specs=(PartitionSpec(cfg.axis), keep(lhs_spec), keep(rhs_spec)),
                          out_specs=out_spec, axis_names=set(manual))(
                              ring.ring_positions(n), lhs, rhs)
@@ -340,7 +355,7 @@ def _reduction(eq: Equation, summed, out_spec, manual):
   spec = []
   for dim, letter in enumerate(eq.out):
     kept = scatter.get(dim) or tuple(a for a in out[letter] if a in manual and a not in summed)
-    spec.append((kept[0] if len(kept) == 1 else kept) if kept else None)
+    spec.append(einsum_plan.spec_entry(kept))
   return scatter, PartitionSpec(*spec)
 
 
@@ -362,51 +377,55 @@ def hoisted_specs(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec):
     keep = lambda l, a: (a == axis or a in out.get(l, ()) or
                          (l not in eq.out and a in other.get(l, ())))
     entries = [tuple(a for a in axes[l] if keep(l, a)) for l in letters]
-    specs.append(PartitionSpec(*[e[0] if len(e) == 1 else (e or None) for e in entries]))
+    specs.append(PartitionSpec(*map(einsum_plan.spec_entry, entries)))
   return tuple(specs)
 
 
-def _local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, wire, manual,
-           summed, scatter, ids, lhs, rhs):
+def _local(r: _Ring, ids, lhs, rhs):
   """Per-device body: blocks along the manual axes are local, other axes global.
 
-  The result holds partial sums over ``summed`` until the end, where each dim
-  in ``scatter`` is reduce-scattered over its axes and the rest all-reduced.
+  The result holds partial sums over ``r.summed`` until the end, where each dim
+  in ``r.scatter`` is reduce-scattered over its axes and the rest all-reduced.
   """
-  out = _ring_local(eq, plan, n, split, unroll, dtype, wire, manual, ids, lhs, rhs)
-  if not summed:
+  if r.plan.kind == 'reducescatter':
+    out = _reduce_scatter_local(r, ids[0], lhs, rhs)
+  else:
+    out = _all_gather_local(r, ids[0], lhs, rhs)
+  if not r.summed:
     return out
-  out = out.astype(_acc(dtype))  # sums in fp32 (XLA's CPU backend has no bf16 all-reduce)
+  out = out.astype(_acc(r.dtype))  # sums in fp32 (XLA's CPU backend has no bf16 all-reduce)
   scattered = set()
-  for dim, axes in scatter.items():
+  for dim, axes in r.scatter.items():
     out = jax.lax.psum_scatter(out, axes, scatter_dimension=dim, tiled=True)
     scattered.update(axes)
-  rest = tuple(a for a in summed if a not in scattered)
-  return (jax.lax.psum(out, rest) if rest else out).astype(dtype)
+  rest = tuple(a for a in r.summed if a not in scattered)
+  return (jax.lax.psum(out, rest) if rest else out).astype(r.dtype)
 
 
-def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype, wire,
-                manual, ids, lhs, rhs):
-  """The ring itself, on local blocks; reduce-scatter accumulators travel as ``wire``
-  (None: their own fp32)."""
-  axis, acc_dtype, idx = plan.axis, _acc(dtype), ids[0]
-  if plan.kind == 'reducescatter':
-    z = plan.out_letter  # the scattered output dim, whole in its operand
-    on_lhs = z in eq.lhs
-    owner = lhs if on_lhs else rhs
-    dim = (eq.lhs if on_lhs else eq.rhs).index(z)
-    block = owner.shape[dim] // n
+def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
+  """The reduce-scatter ring on local blocks; accumulators travel as ``r.wire``."""
+  eq, z = r.eq, r.plan.out_letter  # the scattered output dim, whole in its operand
+  on_lhs = z in eq.lhs
+  owner = lhs if on_lhs else rhs
+  dim = (eq.lhs if on_lhs else eq.rhs).index(z)
+  block = owner.shape[dim] // r.n
 
-    def partial(*ks):  # one einsum for the output blocks ks, split after it
-      piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
-                               for k in ks], axis=dim)
-      args = (piece, rhs) if on_lhs else (lhs, piece)
-      out = jnp.einsum(str(eq), *args, preferred_element_type=acc_dtype)
-      return out if len(ks) == 1 else tuple(jnp.split(out, len(ks), axis=eq.out.index(z)))
+  def partial(*ks):  # one einsum for the output blocks ks, split after it
+    piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
+                             for k in ks], axis=dim)
+    args = (piece, rhs) if on_lhs else (lhs, piece)
+    out = jnp.einsum(str(eq), *args, preferred_element_type=_acc(r.dtype))
+    return out if len(ks) == 1 else tuple(jnp.split(out, len(ks), axis=eq.out.index(z)))
 
-    return ring.reduce_scatter_einsum(partial, axis=axis, n=n, idx=idx, split=split,
-                                      unroll=unroll, wire_dtype=wire,
-                                      partial_pair=partial).astype(dtype)
+  return ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
+                                    unroll=r.unroll, wire_dtype=r.wire,
+                                    partial_pair=partial).astype(r.dtype)
+
+
+def _all_gather_local(r: _Ring, idx, lhs, rhs):
+  """The all-gather ring on local blocks: every device's block of the gathered
+  operand passes by and is consumed against the local other operand."""
+  eq, plan, n, dtype, acc_dtype = r.eq, r.plan, r.n, r.dtype, _acc(r.dtype)
   g, o, g_letters, o_letters = ((lhs, rhs, eq.lhs, eq.rhs) if plan.gathered == 'lhs'
                                 else (rhs, lhs, eq.rhs, eq.lhs))
   local_eq = f'{g_letters},{o_letters}->{eq.out}'
@@ -416,7 +435,7 @@ def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype,
     out_dim = eq.out.index(x)
     out_shape = jax.eval_shape(lambda a, b: jnp.einsum(local_eq, a, b), g, o).shape
     out_shape = out_shape[:out_dim] + (m * n,) + out_shape[out_dim + 1:]
-    acc = jax.lax.pcast(jnp.zeros(out_shape, dtype), manual, to='varying')
+    acc = jax.lax.pcast(jnp.zeros(out_shape, dtype), r.manual, to='varying')
 
     def consume_pair(acc, a, src_a, b, src_b):  # one einsum for both blocks
       both = jnp.einsum(local_eq, jnp.concatenate([a, b], g_letters.index(x)), o,
@@ -433,7 +452,7 @@ def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype,
     out_shape = jax.eval_shape(
         lambda a, b: jnp.einsum(local_eq, a, jax.lax.dynamic_slice_in_dim(b, 0, m, o_dim)),
         g, o).shape
-    acc = jax.lax.pcast(jnp.zeros(out_shape, acc_dtype), manual, to='varying')
+    acc = jax.lax.pcast(jnp.zeros(out_shape, acc_dtype), r.manual, to='varying')
 
     def consume_pair(acc, a, src_a, b, src_b):  # both blocks contracted in one einsum
       pieces = [jax.lax.dynamic_slice_in_dim(o, s * m, m, o_dim) for s in (src_a, src_b)]
@@ -444,6 +463,6 @@ def _ring_local(eq: Equation, plan: AxisPlan, n: int, split, unroll: int, dtype,
       piece = jax.lax.dynamic_slice_in_dim(o, src * m, m, o_dim)
       return acc + jnp.einsum(local_eq, block, piece, preferred_element_type=acc_dtype)
 
-  out = ring.all_gather_einsum(g, consume, acc, axis=axis, n=n, idx=idx, split=split,
-                               unroll=unroll, consume_pair=consume_pair)
+  out = ring.all_gather_einsum(g, consume, acc, axis=plan.axis, n=n, idx=idx, split=r.split,
+                               unroll=r.unroll, consume_pair=consume_pair)
   return out.astype(dtype)

@@ -58,9 +58,15 @@ class Equation:
 
 
 def axes_of(spec_entry: Any) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, an axis name, or several)."""
   if spec_entry is None:
     return ()
   return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+  """The PartitionSpec entry for mesh ``axes`` (None, one name or a tuple): inverts axes_of."""
+  return (axes[0] if len(axes) == 1 else tuple(axes)) if axes else None
 
 
 def letter_axes(letters: str, spec: PartitionSpec) -> dict[str, tuple[str, ...]]:

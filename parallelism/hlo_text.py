@@ -151,8 +151,12 @@ def _ints(text: str) -> list[int]:
   return [int(x) for x in re.findall(r'\d+', text)]
 
 
-def first_group(attrs: str, num_partitions: int) -> list[int]:
-  """The first device group of a collective, in any of XLA's printed formats."""
+def replica_groups(attrs: str, num_partitions: int) -> list[list[int]]:
+  """Every device group of a collective, in any of XLA's printed formats.
+
+  Mesh axis names are read as names (``'tensor2'=4`` is one axis of size 4);
+  a collective that prints no groups spans all ``num_partitions``.
+  """
   m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
                 r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}", attrs)
   if m:
@@ -163,13 +167,56 @@ def first_group(attrs: str, num_partitions: int) -> list[int]:
     over = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(4))]
     rest = [i for i in range(len(sizes)) if i not in over]
     grid = devices.reshape(sizes).transpose(rest + over)
-    return grid.reshape(-1, math.prod(sizes[a] for a in over))[0].tolist()
+    return grid.reshape(-1, math.prod(sizes[a] for a in over)).tolist()
   m = re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', attrs)
   if m:
     shape = _ints(m.group(1))
     return _iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3))).reshape(
-        shape[0], -1)[0].tolist()
-  m = re.search(r'replica_groups=\{\{([\d,]*)\}', attrs)
+        shape[0], -1).tolist()
+  m = re.search(r'replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}', attrs)
   if m:
-    return _ints(m.group(1))
-  return list(range(num_partitions))
+    return [_ints(g) for g in re.findall(r'\{([\d,]*)\}', m.group(1))]
+  return [list(range(num_partitions))]
+
+
+def first_group(attrs: str, num_partitions: int) -> list[int]:
+  """The first device group of a collective (see ``replica_groups``)."""
+  return replica_groups(attrs, num_partitions)[0]
+
+
+GROUP_COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all')
+
+
+def _mesh_coords(mesh, axis: str) -> tuple[dict[int, int], int]:
+  """({device id: its position along ``axis``}, the axis size)."""
+  which = list(mesh.axis_names).index(axis)
+  return {d.id: idx[which] for idx, d in np.ndenumerate(mesh.devices)}, mesh.shape[axis]
+
+
+def collectives_over(module: Module, mesh, axis: str, op_name_filter=None) -> list[str]:
+  """Names of the collectives (``GROUP_COLLECTIVES``, sync or async) whose device
+  groups span ``axis`` of ``mesh``; ``op_name_filter(op_name) -> bool`` keeps only
+  instructions whose metadata op_name it accepts."""
+  coords, _ = _mesh_coords(mesh, axis)
+  found = []
+  for ins in (i for instrs in module.computations.values() for i in instrs):
+    if ins.opcode.removesuffix('-start') not in GROUP_COLLECTIVES:
+      continue
+    if op_name_filter and not op_name_filter(ins.op_name):
+      continue
+    groups = replica_groups(ins.attrs, module.num_partitions)
+    if any(len({coords[d] for d in g}) > 1 for g in groups):
+      found.append(ins.name)
+  return found
+
+
+def permute_offsets(module: Module, mesh, axis: str) -> list[int]:
+  """For each collective-permute: how far along ``axis`` its data moves (mod the size)."""
+  coords, n = _mesh_coords(mesh, axis)
+  offsets = []
+  for ins in (i for instrs in module.computations.values() for i in instrs):
+    if ins.opcode.removesuffix('-start') == 'collective-permute':
+      pairs = re.search(r'source_target_pairs=\{\{(\d+),(\d+)\}', ins.attrs)
+      src, dst = int(pairs.group(1)), int(pairs.group(2))
+      offsets.append((coords[dst] - coords[src]) % n)
+  return offsets

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import hardware as hw, step_model
 from parallelism.cost_model import CPU_NOMINAL_FLOPS
+from parallelism.einsum_plan import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +72,13 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
   return {'single': single, 'chunked': chunked}
 
 
-def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, setting: str,
+def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: str,
            hardware: str) -> ExchangeDecision:
-  """Applies ``parallelism.collective_matmul`` (never | always | auto) to one layer."""
+  """One layer's exchange in ``mode``: single | chunked | auto (the cost model picks).
+
+  ``MatmulPolicy.choose`` asks for single under ``collective_matmul=never`` and
+  chunked under ``always``; the reasons name those settings.
+  """
   n = mesh.shape[axis] if axis else 1
   b, e, c, d = shape_becd
   chunk_shape = lambda k: (e, b, c // k, d)
@@ -81,10 +86,10 @@ def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, setting:
   if n == 1:
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
                             'no expert parallelism: no all-to-all')
-  if setting == 'never' or chunks == 1:
-    why = 'collective_matmul="never"' if setting == 'never' else 'moe.overlap_chunks=1'
+  if mode == 'single' or chunks == 1:
+    why = 'collective_matmul="never"' if mode == 'single' else 'moe.overlap_chunks=1'
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware, why)
-  if setting == 'always':
+  if mode == 'chunked':
     return ExchangeDecision('chunked', chunks, axis, chunk_shape(chunks), seconds, hardware,
                             'collective_matmul="always"')
   mode = min(seconds, key=seconds.get)
@@ -107,11 +112,10 @@ def exchange(x, mesh, axis: str, in_spec: PartitionSpec, out_spec: PartitionSpec
 
 def check_layout(axis: str, dispatched: PartitionSpec, at_experts: PartitionSpec) -> None:
   """Raises ValueError unless the two layouts are what ``exchange`` moves between."""
-  as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
-  batch_in, exp_at = as_tuple(dispatched[0]), as_tuple(at_experts[0])
-  batch_at = as_tuple(at_experts[1])
+  batch_in, exp_at = axes_of(dispatched[0]), axes_of(at_experts[0])
+  batch_at = axes_of(at_experts[1])
   if (exp_at != (axis,) or not batch_in or batch_in[-1] != axis
-      or batch_in[:-1] != batch_at or as_tuple(dispatched[1])):
+      or batch_in[:-1] != batch_at or axes_of(dispatched[1])):
     raise ValueError(
         f'expert parallelism over {axis!r} needs the batch rule to end with {axis!r} and a '
         f'second batch rule without it (e.g. [batch, [data, fsdp, {axis}]], [batch, '

@@ -16,15 +16,15 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 from parallelism import einsum_plan, moe
 
 
-def rows(decisions: dict[str, Any]) -> list[dict]:
-  """Report rows from ``ShardedOps.decisions`` (path -> (Decision, specs))."""
+def rows(plan: Mapping[str, Any]) -> list[dict]:
+  """Report rows from a layer plan (``sharding.plan_layers``: path -> (decision, specs))."""
   out = []
-  for path, (d, specs) in decisions.items():
+  for path, (d, specs) in plan.items():
     if isinstance(d, moe.ExchangeDecision):
       out.append(_exchange_row(path, d, specs))
       continue

@@ -10,7 +10,9 @@ names without a rule are replicated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Sequence
+import math
+import types
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +23,10 @@ from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops
 from parallelism import moe
 from parallelism.collective_einsum import RING_DTYPES, explain, run_decision
+from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
+T = TypeVar('T')
 
 
 def normalize_rules(table: Iterable[Sequence[Any]]) -> Rules:
@@ -32,9 +36,18 @@ def normalize_rules(table: Iterable[Sequence[Any]]) -> Rules:
     if len(row) != 2:
       raise ValueError(f'logical axis rule {row!r} is not a [logical, mesh_axes] pair')
     logical, axes = row
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    rules.append((str(logical), axes))
+    rules.append((str(logical), axes_of(axes)))
   return tuple(rules)
+
+
+# Logical axes along a sequence: rules may split them (sequence parallelism) in training.
+SEQUENCE_AXES = ('length', 'residual_length', 'cache_length')
+
+
+def decode_rules(rules: Rules) -> Rules:
+  """``rules`` for decoding: without the sequence axes, since one new token has no
+  sequence to split."""
+  return tuple(rule for rule in rules if rule[0] not in SEQUENCE_AXES)
 
 
 def logical_to_spec(axes: Axes, rules: Rules) -> PartitionSpec:
@@ -42,16 +55,10 @@ def logical_to_spec(axes: Axes, rules: Rules) -> PartitionSpec:
   used: set[str] = set()
   spec = []
   for name in axes:
-    choice = None
-    for logical, mesh_axes in rules:
-      if logical == name and not used.intersection(mesh_axes):
-        choice = mesh_axes
-        break
-    if choice:
-      used.update(choice)
-      spec.append(choice[0] if len(choice) == 1 else choice)
-    else:
-      spec.append(None)
+    choice = next((mesh_axes for logical, mesh_axes in rules
+                   if logical == name and not used.intersection(mesh_axes)), ())
+    used.update(choice)
+    spec.append(spec_entry(choice))
   return PartitionSpec(*spec)
 
 
@@ -89,14 +96,9 @@ def check_divisible(abstract_state: Any, specs: Any, mesh: jax.sharding.Mesh) ->
     raise ValueError('parameter dims not divisible by their mesh axes: ' + '; '.join(bad))
 
 
-def mesh_axis_size(mesh: jax.sharding.Mesh, axes: Any) -> int:
-  if axes is None:
-    return 1
-  axes = (axes,) if isinstance(axes, str) else axes
-  size = 1
-  for a in axes:
-    size *= mesh.shape[a]
-  return size
+def mesh_axis_size(mesh: jax.sharding.Mesh, spec_entry: Any) -> int:
+  """How many devices one PartitionSpec entry splits a dimension over."""
+  return math.prod(mesh.shape[a] for a in axes_of(spec_entry))
 
 
 def _is_spec(x: Any) -> bool:
@@ -131,21 +133,54 @@ class MatmulPolicy:
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
 
+  def choose(self, decide: Callable[[str], T], *, never: str, always: str) -> T:
+    """Applies ``collective_matmul`` to one layer: ``decide(mode)`` for the mode it names.
+
+    ``never`` and ``always`` are the layer kind's modes for those settings;
+    ``auto`` lets the cost model pick. Under ``always`` a layer that cannot run
+    that mode (``decide`` raises ValueError) gets ``auto``'s decision, whose
+    reason says why it stays plain.
+    """
+    if self.collective_matmul == 'never':
+      return decide(never)
+    if self.collective_matmul == 'always':
+      try:
+        return decide(always)
+      except ValueError:
+        pass
+    return decide('auto')
+
+
+class PlannedLayer(NamedTuple):
+  """One layer of a plan: its decision and the PartitionSpecs it was made for."""
+  decision: Any   # collective_einsum.Decision, or moe.ExchangeDecision for an MoE exchange
+  specs: tuple    # (lhs, rhs, out); for an exchange (dispatched tokens, expert inputs)
+
 
 class ShardedOps(Ops):
   """Ops that turn logical axes into shardings and dense layers into collective einsums.
 
-  Every dense layer's einsum is planned from the shardings its logical axes
-  imply (parallelism/collective_einsum.py); under ``policy.collective_matmul``
-  it runs decomposed or plain. The decision of every layer traced so far is
-  in ``decisions`` (layer path -> (Decision, specs)); the startup report
-  reads it.
+  Every dense layer (and MoE exchange) runs as its entry in ``plan`` says
+  (``plan_layers`` makes it before anything is jitted); without a plan every
+  one runs as ``policy`` decides for the shapes it is traced with, and nothing
+  is kept. Immutable: tracing a model changes nothing here, so the object is a
+  faithful part of the model's static graph (hash and equality).
   """
 
   def __init__(self, mesh: jax.sharding.Mesh, rules: Rules,
-               policy: MatmulPolicy = MatmulPolicy(collective_matmul='never')):
-    self.mesh, self.rules, self.policy = mesh, rules, policy
-    self.decisions: dict[str, Any] = {}
+               policy: MatmulPolicy = MatmulPolicy(collective_matmul='never'),
+               plan: Mapping[str, PlannedLayer] | None = None):
+    for key, value in (('mesh', mesh), ('rules', rules), ('policy', policy),
+                       ('_plan', None if plan is None else dict(plan))):
+      object.__setattr__(self, key, value)
+
+  def __setattr__(self, key, value):
+    raise AttributeError(f'ShardedOps is immutable (setting {key!r}); build another one')
+
+  @property
+  def plan(self) -> Mapping[str, PlannedLayer] | None:
+    """Layer path -> PlannedLayer, read-only (None: decided by ``policy`` when traced)."""
+    return None if self._plan is None else types.MappingProxyType(self._plan)
 
   def spec(self, axes: Axes) -> PartitionSpec:
     return logical_to_spec(axes, self.rules)
@@ -156,8 +191,12 @@ class ShardedOps(Ops):
 
   def einsum(self, equation, x, w, *, x_axes, w_axes, out_axes, name):
     specs = tuple(self.spec(a) for a in (x_axes, w_axes, out_axes))
-    decision = self._decide(equation, x, w, specs)
-    self.decisions[name] = (decision, specs)
+    decision = self._decision(name, specs, lambda: self.policy.choose(
+        lambda mode: explain(
+            equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
+            lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
+            hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype),
+        never='none', always=self.policy.direction))
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       return run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
                           rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
@@ -175,30 +214,74 @@ class ShardedOps(Ops):
     axis = at_experts[0] if isinstance(at_experts[0], str) else None
     if axis is not None and self.mesh.shape[axis] > 1:
       moe.check_layout(axis, dispatched, at_experts)
-    decision = moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis, chunks,
-                          self.policy.collective_matmul, self.policy.hardware)
-    self.decisions[name] = (decision, (dispatched, at_experts))
+    decision = self._decision(name, (dispatched, at_experts), lambda: self.policy.choose(
+        lambda mode: moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis,
+                                chunks, mode, self.policy.hardware),
+        never='single', always='chunked'))
     with jax.named_scope(name):
       return moe.run(decision, x_becd, expert_fn, self.mesh, dispatched, at_experts)
 
-  def _decide(self, equation, x, w, specs):
-    decide = lambda mode: explain(
-        equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
-        lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
-        hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype)
-    setting = self.policy.collective_matmul
-    if setting == 'never':
-      return decide('none')
-    if setting == 'auto':
-      return decide('auto')
-    try:  # 'always': every eligible layer
-      return decide(self.policy.direction)
-    except ValueError:  # not eligible: 'auto' returns 'none' with the reason
-      return decide('auto')
+  def _decision(self, name: str, specs: tuple, decide: Callable[[], Any]) -> Any:
+    """Layer ``name``'s decision: the plan's, or (without a plan) ``decide()``'s."""
+    if self._plan is None:
+      return decide()
+    if name not in self._plan:
+      raise ValueError(f'layer {name!r} is not in the layer plan (it has {len(self._plan)} '
+                       'layers): plan_layers traced another computation')
+    planned = self._plan[name]
+    if planned.specs != specs:
+      raise ValueError(f'layer {name!r} runs with specs {specs}, planned with {planned.specs}')
+    return planned.decision
 
   def __hash__(self):
-    return hash((self.mesh, self.rules, self.policy))
+    plan = None if self._plan is None else tuple(self._plan)
+    return hash((self.mesh, self.rules, self.policy, plan))
 
   def __eq__(self, other):
     return (type(other) is type(self) and self.mesh == other.mesh
-            and self.rules == other.rules and self.policy == other.policy)
+            and self.rules == other.rules and self.policy == other.policy
+            and self._plan == other._plan)
+
+
+class _Planner(ShardedOps):
+  """Decides every layer as it is traced and keeps the decisions: ``plan_layers``'
+  own tool, traced once and dropped, never part of a model that trains."""
+
+  __hash__ = object.__hash__  # what it holds grows while it traces
+  __eq__ = object.__eq__
+
+  def _decision(self, name, specs, decide):
+    decision = decide()
+    self._plan[name] = PlannedLayer(decision, specs)
+    return decision
+
+
+def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules: Rules,
+                policy: MatmulPolicy) -> dict[str, PlannedLayer]:
+  """How every dense layer and MoE exchange of ``forward`` runs, decided before ``jit``.
+
+  Args:
+    forward: builds the model with the given Ops and applies it to inputs of
+      the shapes the compiled step will see (a train step's microbatch), e.g.
+      ``lambda ops: Transformer(cfg, nnx.Rngs(0), ops)(jnp.zeros((b, t), jnp.int32))``.
+      It is traced abstractly (``jax.eval_shape``): nothing is computed.
+    mesh, rules, policy: where the layers run and when they are decomposed.
+
+  Returns:
+    ``{layer path: PlannedLayer(decision, specs)}`` in the order the layers ran
+    (a scanned stack's layers once, as ``blocks.*``). Give it to
+    ``ShardedOps(mesh, rules, policy, plan)``: the model then runs exactly these
+    decisions, and the parallelism report reads them.
+  """
+  planner = _Planner(mesh, rules, policy, plan={})
+  jax.eval_shape(lambda: forward(planner))
+  return dict(planner._plan)  # pylint: disable=protected-access
+
+
+def planned_ops(make_model: Callable[[Ops], Any], batch_shape: tuple[int, int], *,
+                mesh: jax.sharding.Mesh, rules: Rules, policy: MatmulPolicy) -> ShardedOps:
+  """ShardedOps running the plan of ``make_model(ops)`` applied to int32 tokens
+  of ``batch_shape`` (``[batch, length]``, as the compiled step sees them)."""
+  plan = plan_layers(lambda ops: make_model(ops)(jnp.zeros(batch_shape, jnp.int32)),
+                     mesh=mesh, rules=rules, policy=policy)
+  return ShardedOps(mesh, rules, policy, plan)

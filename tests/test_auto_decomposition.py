@@ -1,6 +1,7 @@
 """The parallelism layer decomposes the model's dense layers by itself."""
 
 import argparse
+import copy
 import json
 import os
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests import hlo_utils
+from parallelism import hlo_text
 from tests.test_cli import DEFAULT, TINY
 from trainer import loop, step, train
 
@@ -75,13 +76,28 @@ def test_gradients_agree_at_step_0(setups):
 
 def test_compiled_step_has_no_tensor_collective_in_decomposed_layers(setups):
   run, s = setups['always']
-  s.train_step.lower(s.state, s.get_batch(0))  # tracing records every layer's decision
-  layers = [p for p, (d, _) in s.ops.decisions.items() if d.mode != 'none']
+  layers = [p for p, (d, _) in s.ops.plan.items() if d.mode != 'none']
   assert len(layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block, and unembed
   in_layers = lambda name: any(f'({p})' in name or f'/{p}/' in name for p in layers)
   found = {}
   for policy, (run, s) in setups.items():
     hlo = s.train_step.lower(s.state, s.get_batch(0)).compile().as_text()
-    found[policy] = hlo_utils.collectives_over(hlo, run.mesh, 'tensor', in_layers)
+    found[policy] = hlo_text.collectives_over(hlo_text.parse(hlo), run.mesh, 'tensor',
+                                              in_layers)
   assert found['never'], 'the plain step must need tensor collectives in these layers'
   assert not found['always'], found['always']
+
+
+def test_the_plan_is_made_before_tracing_and_tracing_changes_nothing(setups):
+  run, s = setups['always']
+  ops = s.ops
+  fields, plan = dict(vars(ops)), copy.deepcopy(dict(ops.plan))
+  for _ in range(2):  # two real traces of the train step (caches cleared in between)
+    jax.clear_caches()
+    s.train_step.trace(s.state, s.get_batch(0))
+    assert vars(ops) == fields and dict(ops.plan) == plan
+  assert dict(loop.build(run.cfg, run.model_cfg, run.mesh, run.rules).ops.plan) == plan
+  with pytest.raises(AttributeError, match='immutable'):
+    ops.policy = None
+  with pytest.raises(TypeError):
+    ops.plan['unembed'] = None

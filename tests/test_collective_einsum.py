@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallelism import cost_model, einsum_plan, mesh as mesh_lib
-from tests import hlo_utils
+from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib
 from parallelism.collective_einsum import collective_einsum, explain
 
 T, D = 'tensor', 'data'
@@ -97,40 +96,30 @@ def test_matches_plain_einsum(pattern, tensor, dtype, mode, unroll, base):
 
 # ----------------------------------------------------------------- HLO checks
 
-def _executed_permutes(hlo: str, op: str = r'collective-permute(-start)?\(') -> int:
-  """Instructions matching ``op`` (collective-permutes) a compiled module executes:
-  loop bodies x trip counts."""
-  comps, name = {}, None
-  for line in hlo.splitlines():
-    m = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
-    if m:
-      name = m.group(1)
-      comps[name] = []
-    elif name:
-      comps[name].append(line)
+def _executed(hlo: str, opcode: str = 'collective-permute') -> int:
+  """Instructions with ``opcode`` (sync or async) a compiled module executes: loop
+  bodies x trip counts."""
+  module = hlo_text.parse(hlo)
 
   @functools.cache
   def count(comp):
     total = 0
-    for line in comps.get(comp, ()):
-      if re.search(op, line):
-        total += 1
-      for callee in re.findall(r'(?:to_apply|calls)=%?([\w.\-]+)', line):
-        total += count(callee)
-      if ' while(' in line:
-        body = re.search(r'body=%?([\w.\-]+)', line).group(1)
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-        assert trips, f'no known trip count on: {line[:200]}'
-        total += int(trips.group(1)) * count(body)
+    for ins in module.computations.get(comp, ()):
+      total += ins.opcode.removesuffix('-start') == opcode
+      total += sum(count(ins.attr(key)) for key in ('to_apply', 'calls') if ins.attr(key))
+      if ins.opcode == 'while':
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+        assert trips, f'no known trip count on: {ins.name}'
+        total += int(trips.group(1)) * count(ins.attr('body'))
     return total
 
-  entry = re.search(r'^ENTRY %?([\w.\-]+)', hlo, re.M).group(1)
-  return count(entry)
+  return count(module.entry)
 
 
 def _collectives(hlo: str) -> dict[str, int]:
-  kinds = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all')
-  return {k: len(re.findall(rf'\b{k}(-start)?\(', hlo)) for k in kinds}
+  ops = [i.opcode.removesuffix('-start')
+         for instrs in hlo_text.parse(hlo).computations.values() for i in instrs]
+  return {k: ops.count(k) for k in hlo_text.GROUP_COLLECTIVES}
 
 
 @pytest.mark.parametrize('pattern', PATTERNS, ids=[p[0] + ':' + p[4] for p in PATTERNS])
@@ -154,9 +143,9 @@ def test_hlo_has_no_collective_over_the_decomposed_axis(pattern):
         assert sum(_collectives(hlo).values()) > 0
       else:
         assert sum(_collectives(hlo).values()) == 0, _collectives(hlo)
-        assert _executed_permutes(hlo) == steps
+        assert _executed(hlo) == steps
     if mode != 'none':  # sequential steps: the longer of the two ring directions
-      offsets = hlo_utils.permute_offsets(hlos[0], mesh, T)
+      offsets = hlo_text.permute_offsets(hlo_text.parse(hlos[0]), mesh, T)
       rounds = max(offsets.count(1), offsets.count(n - 1))
       assert rounds == (n - 1 if mode == 'unidirectional' else -(-(n - 1) // 2)), offsets
 
@@ -273,7 +262,7 @@ def test_weight_gradient_sums_over_batch_axes_once_after_the_ring(devices):
   hlo = f.lower(x, g).compile().as_text()
   assert _collectives(hlo)['all-reduce'] == 1  # over data, after the ring
   assert _collectives(hlo)['all-gather'] == 0
-  assert _executed_permutes(hlo) == 3
+  assert _executed(hlo) == 3
 
 
 @pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
@@ -350,7 +339,7 @@ def test_bidirectional_rings_run_one_einsum_per_step(pattern):
   for mode in ('unidirectional', 'bidirectional'):
     f = jax.jit(lambda x, w, m=mode: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls,
                                                        rhs_spec=rs, out_spec=os_, mode=m))
-    counts[mode] = _executed_permutes(f.lower(*args).compile().as_text(), r' dot\(')
+    counts[mode] = _executed(f.lower(*args).compile().as_text(), 'dot')
   assert counts == {'unidirectional': 8, 'bidirectional': 5}
 
 
@@ -382,6 +371,6 @@ def test_weight_gradient_is_one_einsum_where_its_ring_would_be_memory_bound():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   ring = lambda x, w: run_decision(small, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
                                    out_spec=os_)
-  permutes = lambda fn: _executed_permutes(
+  permutes = lambda fn: _executed(
       jax.jit(jax.grad(loss(fn), argnums=(0, 1))).lower(lhs, rhs).compile().as_text())
   assert permutes(f) == permutes(ring) - 7  # the weight gradient's ring is gone

@@ -20,7 +20,7 @@ PROMPT = [5, 17, 3, 42, 8]
 def _tensor_ops(devices, tensor):
   mesh_cfg = {a: 1 for a in mesh_lib.AXES} | {f'dcn_{a}': 1 for a in mesh_lib.AXES}
   mesh = mesh_lib.make_mesh(mesh_cfg | {'tensor': tensor}, devices[:tensor])
-  return sharding.ShardedOps(mesh, generate.GENERATE_RULES)
+  return sharding.ShardedOps(mesh, generate.rules_for(None))
 
 
 @pytest.mark.parametrize('kw, tensor', [({}, 2), ({'scan_layers': True}, 1),

@@ -60,14 +60,17 @@ def test_expert_parallel_equals_single_device(devices, sizes, policy, chunks):
   layer = _layer(moe)
   params = nnx.state(layer)
   ref_y, ref_aux, ref_grads = _apply(layer, params, _x(), Ops())
-  ops = sharding.ShardedOps(_mesh(**sizes), RULES, sharding.MatmulPolicy(policy))
+  mesh, matmul = _mesh(**sizes), sharding.MatmulPolicy(policy)
+  plan = sharding.plan_layers(lambda ops: _layer(moe, ops)(_x(), RESIDUAL), mesh=mesh,
+                              rules=RULES, policy=matmul)
+  ops = sharding.ShardedOps(mesh, RULES, matmul, plan)
   y, aux, grads = _apply(layer, params, _x(), ops)
   np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
   for k in aux:
     np.testing.assert_allclose(aux[k], ref_aux[k], rtol=1e-5, atol=1e-6)
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
-  decision, _ = ops.decisions['moe.exchange']
+  decision, _ = plan['moe.exchange']
   assert (decision.mode, decision.chunks) == (('single', 1) if policy == 'never'
                                               else ('chunked', chunks))
 
@@ -183,7 +186,7 @@ def test_exchange_cost_model_and_auto_choice(devices):
   auto = lambda hw: moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 2, 'auto', hw)
   assert auto('tpu_v4').mode == 'chunked'  # transfers overlap compute there
   assert auto('cpu').mode == 'single'      # synchronous copies: chunking only adds steps
-  assert moe_lib.decide(shape, itemsize, flops, mesh, None, 2, 'always', 'cpu').reason == (
+  assert moe_lib.decide(shape, itemsize, flops, mesh, None, 2, 'chunked', 'cpu').reason == (
       'no expert parallelism: no all-to-all')
 
 

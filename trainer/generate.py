@@ -13,9 +13,11 @@ default) is greedy decoding: deterministic. Otherwise tokens are sampled
 and the position, so a seed reproduces a generation.
 
 The model runs on a mesh through the same parallelism layer as training
-(``ShardedOps``): tensor parallelism over heads, key/value heads, the MLP and
-the vocabulary (``GENERATE_RULES``), on the largest number of devices that
-divides them all, unless ``--mesh.tensor`` says otherwise. Dense layers are
+(``ShardedOps``), with the logical-axis rules of the run that wrote the
+checkpoint (``configs/default.py``'s for one without, e.g. imported) less the
+sequence axes (``rules_for``): tensor parallelism over heads, key/value heads,
+the MLP and the vocabulary, on the largest number of devices that divides them
+all, unless ``--mesh.tensor`` says otherwise. Dense layers are
 plain einsums: one token at a time gives a collective nothing to overlap with.
 The prompt is one call (prefill), then one call per new token; generation
 stops at the tokenizer's end-of-document token or after ``--max_new_tokens``.
@@ -34,11 +36,8 @@ from typing import Any
 
 from trainer.config import ConfigError
 
-# Logical axes -> mesh axes for generation: Megatron-style tensor parallelism,
-# the residual stream and the cache's length whole (one token has no sequence
-# to split).
-GENERATE_RULES = (('batch', ('data',)), ('vocab', ('tensor',)), ('mlp', ('tensor',)),
-                  ('heads', ('tensor',)), ('kv_heads', ('tensor',)))
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'configs',
+                              'default.py')
 
 
 def parse_args(argv):
@@ -196,6 +195,16 @@ def tensor_size(model_cfg, num_devices: int) -> int:
              if num_devices % t == 0 and all(d % t == 0 for d in dims))
 
 
+def rules_for(path: str | None):
+  """Logical-axis rules for generating from the checkpoint at ``path`` (see above)."""
+  from parallelism import sharding  # pylint: disable=g-import-not-at-top
+  from trainer import checkpoint, config as config_lib  # pylint: disable=g-import-not-at-top
+  run_cfg = checkpoint.peek_meta(path).get('config') if path else None
+  table = (run_cfg['mesh']['logical_axis_rules'] if run_cfg
+           else config_lib.load(DEFAULT_CONFIG).mesh.logical_axis_rules)
+  return sharding.decode_rules(sharding.normalize_rules(table))
+
+
 def load_model(path: str, model_cfg, tensor: int):
   """The checkpoint's Transformer, parameters sharded over ``tensor`` devices."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -205,9 +214,13 @@ def load_model(path: str, model_cfg, tensor: int):
   from trainer import checkpoint  # pylint: disable=g-import-not-at-top
   mesh_cfg = {a: 1 for a in mesh_lib.AXES} | {f'dcn_{a}': 1 for a in mesh_lib.AXES}
   mesh = mesh_lib.make_mesh(mesh_cfg | {'tensor': tensor}, jax.devices()[:tensor])
-  ops = sharding.ShardedOps(mesh, GENERATE_RULES)  # policy: plain einsums
+  rules = rules_for(path)
+  # Plain einsums: one token at a time gives a collective nothing to overlap with.
+  ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(0), ops), (1, 1),
+                             mesh=mesh, rules=rules,
+                             policy=sharding.MatmulPolicy(collective_matmul='never'))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0), ops)))
-  specs = sharding.state_specs(abstract, GENERATE_RULES)
+  specs = sharding.state_specs(abstract, rules)
   sharding.check_divisible(abstract, specs, mesh)
   shardings = sharding.named(mesh, specs)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -45,7 +45,7 @@ class Program:
   init: Callable[[], TrainState]
   tx: Any
   schedule: Any
-  ops: sharding.ShardedOps     # records every dense layer's decision when traced
+  ops: sharding.ShardedOps     # runs every dense layer as its plan (ops.plan) says
   graphdef: Any
   abstract_params: Any
 
@@ -56,7 +56,10 @@ class Program:
 
 def build(cfg, model_cfg, mesh, rules) -> Program:
   """Builds the model and optimizer abstractly and jits the train step for ``mesh``."""
-  ops = sharding.ShardedOps(mesh, rules, sharding.MatmulPolicy.from_config(cfg))
+  micro_bt = (cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len)  # as traced
+  ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops),
+                             micro_bt, mesh=mesh, rules=rules,
+                             policy=sharding.MatmulPolicy.from_config(cfg))
   make_model = lambda: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops)
   graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
   tx, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
@@ -345,8 +348,7 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
       f'compiled in {compile_s:.1f}s')
   log(f'{flops_tok / 1e6:.1f} MFLOP per token; peak {peak / 1e9:.2f} GFLOP/s per '
       f'device ({peak_source})')
-  # Tracing the step recorded every dense layer's decision in `ops`.
-  layer_rows = report.rows(ops.decisions)
+  layer_rows = report.rows(ops.plan)
   path = os.path.join(run.workdir, 'parallelism_report.json')
   log(report.summary(layer_rows, ops.policy, path))
   if write_report:
