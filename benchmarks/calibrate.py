@@ -97,7 +97,7 @@ class Row:
 def compile_row(path: str, args, overrides, hlo_dir: str) -> Row:
   """Compiles ``path``'s ``maxtext`` variant (raises ConfigError on bad input)."""
   cfg = config_lib.load(path, overrides)
-  if not cfg.get('aot', {}).get('measured_mfu'):
+  if not cfg.aot.measured_mfu:
     raise ConfigError(f'{path} has no aot.measured_mfu (the measurement to check against)')
   ns = argparse.Namespace(config=path, topology=args.topology, variants='maxtext',
                           hlo_dir=os.path.join(hlo_dir, _name(path)), flag_set='')
