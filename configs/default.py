@@ -49,10 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = 'float32' # parameter (master weight) dtype
   c.model.scan_layers = False     # jax.lax.scan over layers (compile time of deep models)
   c.model.remat = 'none'          # activation recomputation: none | full | dots (= minimal)
-  # xla (whole [t, s] logits) | blockwise (keys in blocks) | cudnn (flash attention, NVIDIA
-  # GPUs, bf16/fp16) | auto (per platform, recorded in config.json: models/attention.py)
+  # xla (whole [t, s] logits) | blockwise (keys in blocks) | splash (Pallas kernel, TPUs) |
+  # cudnn (flash attention, NVIDIA GPUs, bf16/fp16) | auto (per platform, recorded in
+  # config.json: models/attention.py)
   c.model.attention = 'xla'
-  c.model.attention_block = 512   # key positions per block of blockwise attention
+  c.model.attention_block = 512   # key positions per block of blockwise and splash attention
 
   # Mixture of Experts (models/moe.py): num_experts=0 keeps every MLP dense.
   c.moe = ml_collections.ConfigDict()

@@ -5,8 +5,8 @@ d_model 768, 12 layers, 12 query heads of 64 over 4 key/value heads, SwiGLU
 2048, bytes as tokens, sequences of 2048 bytes, batch 32. bf16 compute over
 fp32 master weights and AdamW state, fully sharded over every chip of the host
 (mesh fsdp=-1). hardware.name and model.attention are 'auto': the chip's profile
-(MFU, cost model, compiler flags) and cuDNN flash attention on a GPU, blockwise
-attention on a TPU (models/attention.py).
+(MFU, cost model, compiler flags) and cuDNN flash attention on a GPU, the splash
+attention kernel on a TPU (models/attention.py).
 
 Data: enwik8, the first 10^8 bytes of an English Wikipedia XML dump (the Hutter
 Prize corpus, http://mattmahoney.net/dc/textdata.html), one document. Its last
@@ -41,7 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.max_seq_len = 2048
   c.model.dtype = 'bfloat16'     # compute
   c.model.param_dtype = 'float32'
-  c.model.attention = 'auto'     # cudnn on a GPU, blockwise on a TPU (2048 = 4 key blocks)
+  c.model.attention = 'auto'     # cudnn on a GPU, splash on a TPU
 
   c.optimizer.learning_rate = 6e-4
   c.optimizer.warmup_steps = 1000

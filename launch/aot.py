@@ -18,6 +18,10 @@ for the topology (default: the config's ``aot.topology``) and reported:
 * a modeled step time, exposed communication and MFU from the analytical model
   of parallelism/step_model.py (modeled, not measured).
 
+With an attention kernel (``model.attention`` 'splash' or 'blockwise', or 'auto',
+which picks 'splash' on a TPU), the first variant is compiled once more with
+``model.attention='xla'`` (the whole ``[t, s]`` logits), reported beside it.
+
 Variants (``hardware.name`` is set to the topology's chip for all of them). Each
 compiles with the chip's default compiler flags (``hardware.xla_flags``; for v4
 and v5p the asynchronous-collective flags MaxText measures with, see
@@ -334,6 +338,7 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
   lines = [f"{s['config']} on TPU {s['topology']} ({s['chips']} chips), mesh {s['mesh']}: "
            f"{s['parameters']:,} parameters, {s['tokens_per_step']:,} tokens per step",
            '', 'memory per chip (GiB): total = arguments + outputs + temporaries - aliased']
+  w = max(8, *(len(name) for name in s['variants']))
   for name, v in s['variants'].items():
     m = v['memory']
     if 'total' in m:
@@ -341,7 +346,7 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
              f"{_gib(m['aliased'])} = {_gib(m['total'])} of {_gib(m['usable_bytes'])} usable")
     else:
       mem = f"compiler: {m['compiler_message'][:200]}"
-    lines.append(f"  {name:8s} {mem}: {m['fit']}  (compiled in {v['compile_seconds']:.0f} s; "
+    lines.append(f"  {name:{w}s} {mem}: {m['fit']}  (compiled in {v['compile_seconds']:.0f} s; "
                  f"{v['description']})")
   for name, v in s['variants'].items():
     if v['decomposed_layers']:
@@ -370,11 +375,11 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
   if s['modeled']:
     lines += ['', 'modeled step time (analytical model over the compiled TPU schedule, '
                   'parallelism/step_model.py; modeled, not measured):',
-              f"  {'variant':8s} {'step s':>8s} {'compute s':>9s} {'comm s':>8s} "
+              f"  {'variant':{w}s} {'step s':>8s} {'compute s':>9s} {'comm s':>8s} "
               f"{'exposed comm s':>14s} {'modeled MFU':>11s} {'modeled speedup':>15s}"]
     for name, m in s['modeled'].items():
       speed = f"{m['speedup_vs_baseline']:.3f}x" if m['speedup_vs_baseline'] else '-'
-      lines.append(f"  {name:8s} {m['step_seconds']:8.3f} {m['compute_seconds']:9.3f} "
+      lines.append(f"  {name:{w}s} {m['step_seconds']:8.3f} {m['compute_seconds']:9.3f} "
                    f"{m['communication_seconds']:8.3f} "
                    f"{m['exposed_communication_seconds']:14.3f} {m['mfu']:11.1%} {speed:>15s}")
     lines.append('  (modeled speedup = baseline modeled step time / variant modeled step time)')
@@ -414,6 +419,16 @@ def main(argv=None) -> int:
   results = compile_variants(args, overrides, cfg, topology, chip, variants)
   if isinstance(results, int):
     return results
+  if cfg.model.attention != 'xla':  # the attention kernel's memory next to the plain one's
+    print(f"then {variants[0]} with model.attention='xla' (instead of "
+          f"{cfg.model.attention!r}), to compare memory:", file=sys.stderr, flush=True)
+    hlo_dir = args.hlo_dir and os.path.join(args.hlo_dir, 'attention_xla')
+    plain = compile_variants(argparse.Namespace(**{**vars(args), 'hlo_dir': hlo_dir}),
+                             overrides + ['--config.model.attention=xla'], cfg, topology, chip,
+                             variants[:1])
+    if isinstance(plain, int):
+      return plain
+    results[f"{variants[0]}, attention=xla"] = plain[variants[0]]
   s = summarize(cfg, args.config, topology, chip, chips, info, results)
   print(json.dumps(s, indent=1) if args.json else text_report(s))
   return 0

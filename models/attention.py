@@ -1,8 +1,9 @@
 """Attention implementations beside the plain one, and which one ``'auto'`` picks.
 
 ``model.attention`` (models/transformer.py): 'xla' (the whole ``[t, s]``
-logits), 'blockwise' (below), 'cudnn' (``attend_cudnn``: cuDNN's flash
-attention on an NVIDIA GPU) or 'auto' (``choose``).
+logits), 'blockwise' (below), 'splash' (``attend_splash``: the Pallas splash
+attention kernel on a TPU), 'cudnn' (``attend_cudnn``: cuDNN's flash attention
+on an NVIDIA GPU) or 'auto' (``choose``).
 
 Blockwise attention: causal, document-masked softmax attention in key blocks.
 
@@ -25,6 +26,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 _MASKED = -1e30  # logits of masked pairs; their probabilities are set to 0 explicitly
 
@@ -120,6 +123,35 @@ def attend_blockwise(q_btnh, k_bskh, v_bskh, segments_bt, block: int):
   return jnp.moveaxis(out_bkgth, 3, 1).reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
+def attend_splash(q_btnh, k_bskh, v_bskh, segments_bt, block: int, interpret: bool = False):
+  """Causal attention within documents by the Pallas splash attention kernel (TPU).
+
+  One device's share: the kernel runs on whole sequences of the local heads
+  (models/transformer.py calls it through ``Ops.local``). The causal mask is
+  static, so the kernel skips the key blocks above the diagonal; the document
+  mask is the kernel's segment ids. Blocks of ``block`` positions (at most the
+  length) for the forward pass and both backward kernels, as MaxText's
+  ``sa_block_*`` defaults of 512. ``interpret=True`` runs the kernel's Pallas
+  interpreter (on the CPU, in the tests). Grouped-query heads are the
+  kernel's own: ``k`` and ``v`` keep their ``kv_heads``.
+  """
+  b, t, n, h = q_btnh.shape
+  blk = min(block, t)
+  sizes = splash.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk,
+                            block_q_dkv=blk, block_kv_dkv=blk, block_kv_dkv_compute=blk,
+                            block_q_dq=blk, block_kv_dq=blk)
+  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * n)
+  kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [b, t, n, h] -> [b, n, t, h]
+  q_bnth = heads_first(q_btnh * jnp.asarray(h ** -0.5, q_btnh.dtype))
+  segments = splash.SegmentIds(q=segments_bt.astype(jnp.int32),
+                               kv=segments_bt.astype(jnp.int32))
+  out_bnth = jax.vmap(kernel)(q_bnth, heads_first(k_bskh), heads_first(v_bskh),
+                              segment_ids=segments)
+  return heads_first(out_bnth).astype(q_btnh.dtype)
+
+
 def attend_cudnn(q_btnh, k_bskh, v_bskh, segments_bt, implementation: str = 'cudnn'):
   """Causal attention within documents by ``jax.nn.dot_product_attention`` (cuDNN on a GPU).
 
@@ -150,27 +182,44 @@ def cudnn_refusal(dtype: str, head_dim: int, seq_len: int) -> str:
   return ''
 
 
+def splash_refusal(seq_len: int, block: int) -> str:
+  """Why the splash kernel cannot run this length ('' when it can).
+
+  Its blocks tile the sequence and the TPU's 128 lanes: min(block, seq_len)
+  must divide the length and be a multiple of 128.
+  """
+  blk = min(block, seq_len)
+  if seq_len % blk or blk % 128:
+    return (f'seq_len={seq_len} with model.attention_block={block} (splash needs blocks of a '
+            'multiple of 128 positions that divide the length)')
+  return ''
+
+
 def choose(attention: str, platform: str, dtype: str, head_dim: int, seq_len: int,
            block: int) -> str:
   """The implementation ``model.attention`` names on ``platform`` ('cpu', 'tpu', 'gpu').
 
-  'auto' picks 'cudnn' on a GPU where cuDNN runs the model (a fused kernel, no
-  ``[t, s]`` logits in memory), else 'blockwise' when the sequence spans several
-  key blocks (the whole logits would be several times one block's: at seq 4096
-  on CPU it took 0.18x the temporaries and 0.72x the time of 'xla',
-  benchmarks/attention.py), else 'xla' (one block: nothing to save, and no
-  recomputation in the backward pass). Raises ValueError for 'cudnn' where it
-  cannot run.
+  'auto' picks the platform's fused kernel where it runs the model: 'splash' on a
+  TPU (MaxText's default there), 'cudnn' on a GPU (no ``[t, s]`` logits in
+  memory); else 'blockwise' when the sequence spans several key blocks (the
+  whole logits would be several times one block's: at seq 4096 on CPU it took
+  0.18x the temporaries and 0.72x the time of 'xla', benchmarks/attention.py),
+  else 'xla' (one block: nothing to save, and no recomputation in the backward
+  pass). Raises ValueError for a kernel named where it cannot run.
   """
-  refusal = cudnn_refusal(dtype, head_dim, seq_len)
-  if attention == 'cudnn' and platform != 'gpu':
-    raise ValueError(f"model.attention='cudnn' runs on an NVIDIA GPU, this run is on the "
-                     f"{platform}: use 'auto', 'blockwise' or 'xla'")
-  if attention == 'cudnn' and refusal:
-    raise ValueError(f"model.attention='cudnn' cannot run {refusal}: use 'auto', "
-                     "'blockwise' or 'xla'")
+  kernels = {'cudnn': ('gpu', 'an NVIDIA GPU', cudnn_refusal(dtype, head_dim, seq_len)),
+             'splash': ('tpu', 'a TPU', splash_refusal(seq_len, block))}
+  if attention in kernels:
+    where, device, refusal = kernels[attention]
+    if platform != where:
+      raise ValueError(f"model.attention={attention!r} runs on {device}, this run is on the "
+                       f"{platform}: use 'auto', 'blockwise' or 'xla'")
+    if refusal:
+      raise ValueError(f"model.attention={attention!r} cannot run {refusal}: use 'auto', "
+                       "'blockwise' or 'xla'")
   if attention != 'auto':
     return attention
-  if platform == 'gpu' and not refusal:
-    return 'cudnn'
+  for name, (where, _, refusal) in kernels.items():
+    if platform == where and not refusal:
+      return name
   return 'blockwise' if seq_len > block and seq_len % block == 0 else 'xla'

@@ -41,6 +41,16 @@ class Ops:
     out = jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
     return self.constrain(out.astype(x.dtype), out_axes)
 
+  def local(self, fn, *args: jax.Array, in_axes: tuple[Axes, ...], out_axes: Axes) -> jax.Array:
+    """Runs ``fn`` on each device's blocks of ``args`` (a kernel that cannot be partitioned).
+
+    ``in_axes`` and ``out_axes`` name the logical axes of the arguments and of the
+    result; an axis ``fn`` needs whole is written ``None``. Here ``fn`` sees the
+    whole arrays; the sharded version runs it in a ``shard_map``.
+    """
+    del in_axes, out_axes
+    return fn(*args)
+
   def experts(self, x_becd: jax.Array, expert_fn, *, chunks: int, flops: float,
               name: str) -> jax.Array:
     """Runs ``expert_fn`` on tokens dispatched to experts.

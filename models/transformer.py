@@ -18,13 +18,14 @@ k kv_heads, g query heads per kv head, h head_dim, v vocab, l layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import attend_blockwise, attend_cudnn
+from models.attention import attend_blockwise, attend_cudnn, attend_splash
 from models.moe import MoeConfig, MoeMlp, zero_aux
 from models.ops import Ops
 
@@ -40,9 +41,10 @@ REMAT_POLICIES = {
 
 # 'xla': softmax over the whole [t, s] logits, as XLA compiles it; 'blockwise': keys in
 # blocks with an online softmax and a recomputing backward; 'cudnn': cuDNN's flash
-# attention (NVIDIA GPUs); 'auto': the trainer picks one per platform before the
-# model is built (models/attention.py: choose).
-ATTENTION = ('xla', 'blockwise', 'cudnn', 'auto')
+# attention (NVIDIA GPUs); 'splash': the Pallas splash attention kernel (TPUs); 'auto':
+# the trainer picks one per platform before the model is built (models/attention.py:
+# choose).
+ATTENTION = ('xla', 'blockwise', 'splash', 'cudnn', 'auto')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +66,8 @@ class TransformerConfig:
   scan_layers: bool = False
   remat: str = 'none'  # one of REMAT_POLICIES
   attention: str = 'xla'      # one of ATTENTION
-  attention_block: int = 512  # key positions per block of 'blockwise' attention
+  attention_block: int = 512  # key positions per block of 'blockwise' and 'splash'
+  splash_interpret: bool = False  # 'splash' through the Pallas interpreter (CPU tests)
   moe: MoeConfig = MoeConfig()  # the ``moe.*`` group; dense when num_experts == 0
 
   @classmethod
@@ -153,6 +156,8 @@ class Attention(nnx.Module):
     if self.cfg.attention == 'blockwise':
       block = min(self.cfg.attention_block, q_btnh.shape[1])
       return self._out(attend_blockwise(q_btnh, k_btkh, v_btkh, segments_bt, block))
+    if self.cfg.attention == 'splash':
+      return self._out(self._splash(q_btnh, k_btkh, v_btkh, segments_bt))
     if self.cfg.attention == 'cudnn':
       return self._out(attend_cudnn(q_btnh, k_btkh, v_btkh, segments_bt))
     if self.cfg.attention == 'auto':  # no silent choice here: the platform is not known
@@ -191,6 +196,14 @@ class Attention(nnx.Module):
     q_btnh = rotary(q_btnh, positions_bt, cfg.rope_theta)
     k_btkh = rotary(k_btkh, positions_bt, cfg.rope_theta)
     return q_btnh, k_btkh, v_btkh
+
+  def _splash(self, q_btnh, k_btkh, v_btkh, segments_bt):
+    """The splash kernel on each device's batch rows and heads, whole sequences."""
+    q_axes, kv_axes = ('batch', None, 'heads', None), ('batch', None, 'kv_heads', None)
+    kernel = functools.partial(attend_splash, block=self.cfg.attention_block,
+                               interpret=self.cfg.splash_interpret)
+    return self.ops.local(kernel, q_btnh, k_btkh, v_btkh, segments_bt,
+                          in_axes=(q_axes, kv_axes, kv_axes, ('batch', None)), out_axes=q_axes)
 
   def _out(self, out_btnh):
     """The output projection back to the residual stream."""

@@ -83,18 +83,39 @@ def parse_instr(line: str) -> Instr | None:
                rest[close:], bool(m.group(1)))
 
 
+def _statements(lines):
+  """HLO lines with an instruction's continuation lines joined to it.
+
+  A Pallas kernel's ``frontend_attributes`` hold a JSON string with newlines,
+  so one instruction can span lines (the next starts ``}}, metadata=``); a
+  computation ends at a line that is a lone ``}``.
+  """
+  pending = None
+  for line in lines:
+    if line.strip() == '}' or _HEAD.match(line) or re.match(r'^(ENTRY\s+)?%', line):
+      if pending is not None:
+        yield pending
+      pending = line
+    elif pending is not None:
+      pending += ' ' + line.strip()
+    else:
+      yield line
+  if pending is not None:
+    yield pending
+
+
 def parse(text: str) -> Module:
   """Splits HLO text into computations of instructions, in schedule order."""
   comps, entry, current = {}, None, None
   parts = re.search(r'num_partitions=(\d+)', text[:20000])
-  for line in text.splitlines():
+  for line in _statements(text.splitlines()):
     if current is None:
       m = re.match(r'^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$', line)
       if m:
         current = comps.setdefault(m.group(2), [])
         entry = m.group(2) if m.group(1) else entry
       continue
-    if line.startswith('}'):
+    if line.strip() == '}':
       current = None
       continue
     ins = parse_instr(line)

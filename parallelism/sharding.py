@@ -163,6 +163,12 @@ class ShardedOps(Ops):
                           rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
                           ring_dtype=self.policy.ring_dtype)
 
+  def local(self, fn, *args, in_axes, out_axes):
+    """``fn`` in a ``shard_map`` over the whole mesh, on the blocks the specs give."""
+    in_specs = tuple(self.spec(a) for a in in_axes)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=self.spec(out_axes),
+                         check_vma=False)(*args)
+
   def experts(self, x_becd, expert_fn, *, chunks, flops, name):
     """The expert all-to-all, single or chunked as parallelism/moe.py decides."""
     dispatched, at_experts = self.spec(DISPATCHED), self.spec(AT_EXPERTS)

@@ -15,7 +15,9 @@ Per instruction:
   contracted elements are its input features times the window taps that land
   on real input (the TPU compiler writes batched matmuls as convolutions with
   padded windows; padding and dilation holes count nothing). Elementwise work
-  is left out. ``B`` is the bytes read and written: operands plus output,
+  is left out. The splash attention kernels of models/attention.py (Pallas
+  custom calls, which carry no cost of their own) count their matmuls per
+  causal block pair (``splash_flops``). ``B`` is the bytes read and written: operands plus output,
   except that a fusion parameter that is only sliced counts its slices, and an
   in-place dynamic-update-slice counts the update, not the whole buffer.
 * **Collectives** over a group of ``G`` chips, with ``L`` links (both
@@ -176,6 +178,34 @@ def dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
   return 2.0 * math.prod(shape_dims(ins.shape)) * contracted
 
 
+# The matmuls of [t, s] size each splash attention kernel runs per query-key
+# block pair it visits: forward q.k and p.v; dq recomputes q.k, then do.v and
+# ds.k; dkv recomputes q.k, then do.v, p.do and ds.q.
+SPLASH_MATMULS = {'fwd': 2, 'dq': 3, 'dkv': 4}
+
+
+def splash_flops(ins: Instr, shapes: dict[str, str]) -> float:
+  """Matmul FLOPs of a splash attention kernel (a ``tpu_custom_call``), else 0.
+
+  Read from its name (``splash_mha_{fwd,dq,dkv}...``), the shapes of q
+  ``[..., heads, t, head_dim]`` and k (its first two 4-D operands) and the
+  kernel's block sizes (its ``xprof_metadata``). The mask is causal (the only
+  one models/attention.py builds): a query block visits the key blocks up to
+  its last row; document masks skip no more blocks than that.
+  """
+  kind = re.match(r'splash_mha_(fwd|dq|dkv)', ins.name)
+  if not kind or 'tpu_custom_call' not in ins.attrs:
+    return 0.0
+  dims = [shape_dims(shapes.get(o, '')) for o in ins.operands]
+  q, k = [d for d in dims if len(d) == 4][:2]
+  suffix = '' if kind.group(1) == 'fwd' else '_' + kind.group(1)
+  block = lambda key: int(re.search(rf'block_{key}{suffix}\\?": (\d+)', ins.attrs).group(1))
+  t, s, bq, bkv = q[-2], k[-2], block('q'), block('kv')
+  visited = sum(min(-(-(i + 1) * bq // bkv), -(-s // bkv)) for i in range(-(-t // bq)))
+  pairs = visited * bq * bkv
+  return 2.0 * SPLASH_MATMULS[kind.group(1)] * math.prod(q[:-2]) * pairs * q[-1]
+
+
 class _Costs:
   """FLOPs and bytes of compute instructions, and collective sizes."""
 
@@ -230,6 +260,8 @@ class _Costs:
       return conv_flops(ins, self.shapes[comp])
     if ins.opcode == 'dot':
       return dot_flops(ins, self.shapes[comp])
+    if ins.opcode == 'custom-call':
+      return splash_flops(ins, self.shapes[comp])
     return 0.0
 
   def instr_bytes(self, ins: Instr, comp: str) -> float:

@@ -1,4 +1,6 @@
-"""Blockwise and cuDNN-API attention against the plain one; which one 'auto' picks."""
+"""Blockwise, splash and cuDNN-API attention against the plain one; which one 'auto' picks."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +9,9 @@ import pytest
 from flax import nnx
 
 from models import attention
-from models.attention import attend_blockwise, attend_cudnn
+from models.attention import attend_blockwise, attend_cudnn, attend_splash
 from models.transformer import Transformer, TransformerConfig, attend
+from parallelism import mesh as mesh_lib, sharding
 from tests.test_cli import DEFAULT, TINY
 from trainer import train
 
@@ -66,7 +69,9 @@ def test_cudnn_masks_match_the_plain_attention(n, k):
     ('gpu', 'bfloat16', 128, 2048, 'cudnn'),
     ('gpu', 'float32', 128, 2048, 'blockwise'),   # cuDNN takes bf16/fp16 only
     ('gpu', 'bfloat16', 12, 256, 'xla'),          # head_dim not a multiple of 8; one block
-    ('tpu', 'bfloat16', 128, 2048, 'blockwise'),  # several key blocks: never the whole logits
+    ('tpu', 'bfloat16', 128, 2048, 'splash'),
+    ('tpu', 'bfloat16', 128, 1000, 'xla'),        # splash and blockwise blocks do not divide it
+    ('gpu', 'float32', 128, 4096, 'blockwise'),   # several key blocks: never the whole logits
     ('cpu', 'float32', 32, 256, 'xla'),           # one block: nothing to save (make train)
     ('cpu', 'float32', 32, 4096, 'blockwise'),
     ('cpu', 'float32', 32, 1000, 'xla'),          # the block does not divide the length
@@ -85,6 +90,26 @@ def test_cudnn_is_refused_where_it_cannot_run():
   model = Transformer(TransformerConfig(attention='auto'), nnx.Rngs(0))
   with pytest.raises(ValueError, match="'auto' is chosen per platform"):
     model(jnp.zeros((1, 8), jnp.int32), segments_bt=jnp.zeros((1, 8), jnp.int32))
+
+
+def test_splash_is_refused_where_it_cannot_run():
+  with pytest.raises(ValueError, match="'splash' runs on a TPU, this run is on the gpu"):
+    attention.choose('splash', 'gpu', 'bfloat16', 128, 2048, 512)
+  with pytest.raises(ValueError, match='seq_len=2000 with model.attention_block=512'):
+    attention.choose('splash', 'tpu', 'bfloat16', 128, 2000, 512)
+  assert attention.choose('splash', 'tpu', 'bfloat16', 128, 256, 512) == 'splash'
+
+
+@pytest.mark.parametrize('n,k', [(4, 4), (4, 2)])
+def test_splash_kernel_matches_the_plain_attention(n, k):
+  """The TPU kernel run by the Pallas interpreter: values and gradients, GQA, documents."""
+  q, kk, v, seg = _inputs(2, 256, n, k, 128, jnp.float32, seed=7)
+  splash = lambda q, kk, v, seg: attend_splash(q, kk, v, seg, 128, interpret=True)
+  np.testing.assert_allclose(splash(q, kk, v, seg), attend(q, kk, v, seg), atol=2e-5, rtol=2e-5)
+  g_ref = jax.grad(_loss(attend, seg), argnums=(0, 1, 2))(q, kk, v)
+  g = jax.grad(_loss(splash, seg), argnums=(0, 1, 2))(q, kk, v)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_block_must_divide_the_length():
@@ -117,3 +142,27 @@ def test_the_trainer_records_what_auto_picked(tmp_path):
                                       '--config.model.attention_block=16'])
   run = train.prepare(args, overrides)  # seq_len 32 on the CPU: two key blocks
   assert run.cfg.model.attention == run.model_cfg.attention == 'blockwise'
+
+
+def test_splash_on_a_sharded_model_matches_xla(devices):
+  """Through ``ShardedOps.local``: batch rows over data, heads over tensor, one kernel each."""
+  mesh = mesh_lib.make_mesh(dict(data=2, fsdp=1, tensor=4, expert=1, dcn_data=1, dcn_fsdp=1,
+                                 dcn_tensor=1, dcn_expert=1), devices)
+  rules = sharding.normalize_rules([['batch', 'data'], ['heads', 'tensor'],
+                                    ['kv_heads', 'tensor'], ['mlp', 'tensor']])
+  ops = sharding.ShardedOps(mesh, rules)
+  cfg = TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=8, num_kv_heads=4,
+                          head_dim=128, mlp_dim=64, max_seq_len=128, attention_block=128,
+                          splash_interpret=True)
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 128), 0, 64)
+  segments = jnp.cumsum(jax.random.bernoulli(jax.random.PRNGKey(1), 0.05, (2, 128)), axis=1)
+
+  def loss_and_grads(attention):
+    model = Transformer(dataclasses.replace(cfg, attention=attention), nnx.Rngs(0), ops=ops)
+    loss = lambda m: m(tokens, segments_bt=segments).astype(jnp.float32).std()
+    return jax.jit(lambda m: nnx.value_and_grad(loss)(m))(model)
+
+  (a, ga), (b, gb) = loss_and_grads('xla'), loss_and_grads('splash')
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)

@@ -249,3 +249,29 @@ def test_one_table_of_hardware_facts():
   assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p']) == ' '.join(
       hardware.MAXTEXT_TPU_FLAGS)
   assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p'], 'none') == ''
+
+
+SPLASH = r"""HloModule splash, is_scheduled=true, num_partitions=1
+
+ENTRY %main (p0: bf16[2,4,1024,128], p1: bf16[2,1,1024,128]) -> bf16[2,4,1024,128] {
+  %p0 = bf16[2,4,1024,128]{3,2,1,0} parameter(0)
+  %p1 = bf16[2,1,1024,128]{3,2,1,0} parameter(1)
+  %mask = s8[1,2,2]{2,1,0} constant({...})
+  %splash_mha_fwd_segmented_residuals.3 = (bf16[2,4,1024,128]{3,2,1,0}) custom-call(%mask, %p0, %p1, %p1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\"block_q\": 512, \"block_kv\": 512, \"block_q_dq\": 256}"
+}}, metadata={op_name="jit(train_step)/splash_mha_fwd/pallas_call"}
+  %splash_mha_dkv_no_residuals.1 = (bf16[2,1,1024,128]{3,2,1,0}) custom-call(%mask, %p0, %p1, %p1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\"block_q_dkv\": 256, \"block_kv_dkv\": 512}"
+}}, metadata={op_name="jit(train_step)/splash_mha_dkv/pallas_call"}
+  ROOT %out = bf16[2,4,1024,128]{3,2,1,0} get-tuple-element(%splash_mha_fwd_segmented_residuals.3), index=0
+}
+"""
+
+
+def test_splash_kernels_count_their_causal_blocks():
+  """A kernel spanning lines (its JSON attributes) parses whole; its FLOPs come from q, k, blocks."""
+  r = step_model.analyze(SPLASH, CHIP)
+  per_pair = 2 * 8 * 128  # 2 FLOPs x batch 2 x 4 heads x head_dim 128, per query-key pair
+  fwd = 2 * per_pair * 3 * 512 * 512             # q.k and p.v over 3 of 4 blocks of 512
+  dkv = 4 * per_pair * (1 + 1 + 2 + 2) * 256 * 512  # query blocks of 256 see 1, 1, 2, 2 key blocks
+  assert r.flops == pytest.approx(fwd + dkv)
