@@ -66,10 +66,11 @@ class Model:
                             'only) | dots (keep projection outputs; `minimal`, MaxText\'s name)')
   attention: str = _key('xla', 'xla (softmax over the whole [t, s] logits) | blockwise (keys in '
                                'blocks of `attention_block`, online softmax: same result, less '
-                               'memory) | cudnn (flash attention, NVIDIA GPUs, bf16/fp16) | auto '
-                               '(per platform when the run starts, recorded in config.json)')
-  attention_block: int = _key(512, 'key positions per block of blockwise attention (`seq_len` '
-                                   'must be a multiple, or smaller)')
+                               'memory) | splash (the Pallas splash kernel, TPUs) | cudnn (flash '
+                               'attention, NVIDIA GPUs, bf16/fp16) | auto (per platform when the '
+                               'run starts, recorded in config.json)')
+  attention_block: int = _key(512, 'key positions per block of blockwise and splash attention '
+                                   '(`seq_len` must be a multiple, or smaller)')
 
 
 @dataclasses.dataclass(frozen=True)
