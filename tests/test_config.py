@@ -37,8 +37,9 @@ def test_help_lists_every_key_with_its_type_and_default(module):
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   text = ' '.join(proc.stdout.split())  # help wraps long lines
+  shown = config_lib._shown_type  # pylint: disable=protected-access
   for key, kind in config_lib.key_types().items():
-    assert f'config.{key} ({config_lib._shown_type(kind)}, default ' in text, key  # pylint: disable=protected-access
+    assert f'config.{key} ({shown(kind)}, default ' in text, key
   assert 'config.optimizer.learning_rate (float, default 0.003): peak learning rate' in text
 
 

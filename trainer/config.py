@@ -500,7 +500,8 @@ def markdown() -> str:
     out += [f'## {prefix[:-1] or "top level"}', '', cls.__doc__, '',
             '| key | type | default | meaning |', '|---|---|---|---|']
     out += [f'| `{key}` | {_shown_type(kind)} | `{_shown(default)}` | '
-            f'{meaning.replace("|", "&#124;")} |' for key, kind, default, meaning in _rows(cls, prefix)]
+            f'{meaning.replace("|", "&#124;")} |'
+            for key, kind, default, meaning in _rows(cls, prefix)]
     out.append('')
   return '\n'.join(out)
 

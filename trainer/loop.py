@@ -56,7 +56,7 @@ class Program:
 
 
 def build(cfg: Config, model: AbstractModel, mesh, rules: sharding.Rules) -> Program:
-  """Adds the optimizer to ``model`` (abstract, with its ops) and jits the train step for ``mesh``."""
+  """Adds the optimizer to ``model`` (abstract, with its ops); jits the train step for ``mesh``."""
   tx, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
 
   def init() -> TrainState:

@@ -51,7 +51,8 @@ def _after_warmup(opt_cfg: Optimizer, steps: int, warmup: int) -> optax.Schedule
   return optax.constant_schedule(peak)  # constant, and wsd without a decay
 
 
-def make_optimizer(opt_cfg: Optimizer, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(opt_cfg: Optimizer,
+                   steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Returns (optimizer, schedule). Weight decay applies to matrices only."""
   schedule = learning_rate_schedule(opt_cfg, steps)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
