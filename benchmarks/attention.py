@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 
-from launch import runtime
+from trainer import runtime
 
 runtime.configure_host(1, platform='cpu')
 

@@ -98,7 +98,7 @@ def compile_row(path: str, args, overrides, hlo_dir: str, progress: str) -> Row:
   """Compiles ``path``'s ``maxtext`` variant (raises ConfigError on bad input)."""
   print(f'[{progress}] {path}: compiling (one at a time)...', file=sys.stderr, flush=True)
   cfg = config_lib.load(path, overrides)
-  if not cfg.get('aot', {}).get('measured_mfu'):
+  if not cfg.aot.measured_mfu:
     raise ConfigError(f'{path} has no aot.measured_mfu (the measurement to check against)')
   ns = argparse.Namespace(config=path, topology=args.topology, variants='maxtext',
                           hlo_dir=os.path.join(hlo_dir, _name(path)), flag_set='')

@@ -88,7 +88,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  from launch import runtime  # pylint: disable=g-import-not-at-top
+  from trainer import runtime  # pylint: disable=g-import-not-at-top
   runtime.configure_host(8)
   from parallelism import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   mesh = mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=8, expert=1, dcn_data=1, dcn_fsdp=1,

@@ -119,7 +119,7 @@ def _result(tokens: int, seconds: float) -> dict:
 
 def default_config_rate(workdir: str) -> float:
   """Tokens/s the default config's train step consumes (8 simulated CPU devices)."""
-  from launch import runtime  # pylint: disable=g-import-not-at-top
+  from trainer import runtime  # pylint: disable=g-import-not-at-top
   runtime.configure_host(8)
   from benchmarks import train_step  # pylint: disable=g-import-not-at-top
   from trainer import config as config_lib  # pylint: disable=g-import-not-at-top

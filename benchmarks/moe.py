@@ -98,7 +98,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  from launch import runtime  # pylint: disable=g-import-not-at-top
+  from trainer import runtime  # pylint: disable=g-import-not-at-top
   runtime.configure_host(8)
   tokens = SHAPE['sequences'] * SHAPE['seq_len'] // 8
   if not args.json:

@@ -11,8 +11,9 @@ dense layer decomposed into a collective einsum. Expect the last eval
 record in runs/default/metrics.jsonl to reach eval_bpb <= 3.0 in under 10
 minutes on a 2-core machine (install excluded).
 
-Every field is documented here; configs/README.md lists them all with their
-owners. Override any field with --config.a.b=value.
+Every field is documented here; trainer/config.py declares them all with their
+types and meanings (--help, configs/README.md). Override any field with
+--config.a.b=value.
 """
 
 import ml_collections

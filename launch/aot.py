@@ -55,11 +55,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
-from parallelism import hardware
-from trainer import config as config_lib
-from trainer.config import ConfigError
+import jax
+from jax.experimental import topologies
+
+from launch import search
+from models.transformer import count_params
+from parallelism import hardware, mesh as mesh_lib, report, sharding, step_model
+from trainer import config as config_lib, loop, metrics, validation
+from trainer.config import Config, ConfigError
+from trainer.state import abstract_model, model_for_mesh
 
 GIB = 2 ** 30
 WINDOWED_EINSUM_OFF = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
@@ -107,8 +112,8 @@ def parse_topology(name: str) -> tuple[hardware.HardwareProfile, int]:
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(prog='python -m launch.aot', description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = config_lib.add_help(argparse.ArgumentParser(prog='python -m launch.aot',
+                                                       description=__doc__))
   parser.add_argument('--config', required=True, help='config file, path.py[:arg]')
   parser.add_argument('--topology', default=None,
                       help="TPU slice, e.g. v4:8x8x16 (default: the config's aot.topology)")
@@ -131,7 +136,7 @@ def parse_args(argv):
 def load(args, overrides) -> tuple:
   """Loads and checks the config and topology; raises ConfigError. No compiling."""
   cfg = config_lib.load(args.config, overrides)
-  topology = args.topology or cfg.get('aot', {}).get('topology')
+  topology = args.topology or cfg.aot.topology
   if not topology:
     raise ConfigError(f'no --topology given and {args.config} has no aot.topology')
   chip, chips = parse_topology(topology)
@@ -146,20 +151,18 @@ def load(args, overrides) -> tuple:
   return cfg, topology, chip, chips, variants, info
 
 
-def _check(cfg, chips: int) -> dict:
+def _check(cfg: Config, chips: int) -> dict:
   """What trainer.train checks before compiling, against the slice's chip count."""
-  # pylint: disable=g-import-not-at-top
-  from models.transformer import count_params
-  from parallelism import mesh as mesh_lib
-  from trainer import metrics, train
-  train.resolve_attention(cfg, 'tpu')
-  sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)
-  mesh = types.SimpleNamespace(shape={a: d * i for a, (d, i) in sizes.items()})
-  model_cfg, params = train.check_layout(cfg, mesh.shape)
-  return {'parameters': count_params(params),
-          'mesh': ' x '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1) or '1 chip',
+  cfg.validate()
+  cfg = validation.resolve_attention(cfg, 'tpu')
+  sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)
+  shape = {a: d * i for a, (d, i) in sizes.items()}
+  model = abstract_model(cfg.transformer())
+  validation.check_layout(cfg, shape, model.params)
+  return {'parameters': count_params(model.params),
+          'mesh': ' x '.join(f'{a}={n}' for a, n in shape.items() if n > 1) or '1 chip',
           'tokens_per_step': cfg.batch_size * cfg.seq_len,
-          'model_flops_per_step': metrics.flops_per_token(model_cfg, cfg.seq_len)
+          'model_flops_per_step': metrics.flops_per_token(model.cfg, cfg.seq_len)
                                   * cfg.batch_size * cfg.seq_len}
 
 
@@ -171,17 +174,11 @@ def worker(args, overrides) -> int:
   variant = VARIANTS[args.worker]
   cfg = config_lib.load(args.config, overrides)
   chip_kind, _ = parse_topology(args.topology)
-  cfg.hardware.name = chip_kind.name
   setting = cfg.parallelism.collective_matmul
-  cfg.parallelism.collective_matmul = variant.collective_matmul or (
-      setting if setting != 'never' else 'auto')
-  # pylint: disable=g-import-not-at-top
-  import jax
-  from jax.experimental import topologies
-  from models.transformer import TransformerConfig
-  from parallelism import mesh as mesh_lib, report, sharding, step_model
-  from trainer import loop, train
-  train.resolve_attention(cfg, 'tpu')  # load() refused what cannot run there
+  cfg = cfg.replace({'hardware.name': chip_kind.name,
+                     'parallelism.collective_matmul': variant.collective_matmul or (
+                         setting if setting != 'never' else 'auto')})
+  cfg = validation.resolve_attention(cfg, 'tpu')  # load() refused what cannot run there
   out = {'variant': variant.name, 'description': variant.description,
          'collective_matmul': cfg.parallelism.collective_matmul,
          'libtpu_init_args': os.environ.get('LIBTPU_INIT_ARGS', '')}
@@ -190,10 +187,9 @@ def worker(args, overrides) -> int:
         platform='tpu', topology_name=args.topology,
         chip_config_name=chip_kind.tpu.chip_config_name,
         chips_per_host_bounds=chip_kind.tpu.chips_per_host_bounds, num_slices=1)
-    mesh = mesh_lib.make_mesh(cfg.mesh, topo.devices)
+    mesh = mesh_lib.make_mesh(cfg.mesh.sizes(), topo.devices)
     rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-    model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
-    program = loop.build(cfg, model_cfg, mesh, rules)
+    program = loop.build(cfg, model_for_mesh(cfg, mesh, rules), mesh, rules)
   except (ValueError, RuntimeError) as e:  # a topology the compiler refuses, a bad layout
     _write(args.out, out | {'error': str(e).splitlines()[0], 'input_error': True})
     return 0
@@ -339,7 +335,6 @@ def _gib(x: float) -> str:
 
 
 def text_report(s: dict, max_pairs: int = 12) -> str:
-  from parallelism import report  # pylint: disable=g-import-not-at-top
   lines = [f"{s['config']} on TPU {s['topology']} ({s['chips']} chips), mesh {s['mesh']}: "
            f"{s['parameters']:,} parameters, {s['tokens_per_step']:,} tokens per step",
            '', 'memory per chip (GiB): total = arguments + outputs + temporaries - aliased']
@@ -388,7 +383,6 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
                    f"{m['communication_seconds']:8.3f} "
                    f"{m['exposed_communication_seconds']:14.3f} {m['mfu']:11.1%} {speed:>15s}")
     lines.append('  (modeled speedup = baseline modeled step time / variant modeled step time)')
-    from parallelism import step_model  # pylint: disable=g-import-not-at-top
     lines.append(f'  step model calibration: {step_model.calibration_summary()} '
                  '(docs/calibration.md)')
   p = s['paper']
@@ -412,7 +406,6 @@ def main(argv=None) -> int:
     print(f'error: libtpu (the TPU compiler) is not installed: {INSTALL_HINT}', file=sys.stderr)
     return 2
   if args.search:
-    from launch import search  # pylint: disable=g-import-not-at-top
     if args.max_compiles < 1:
       print(f'error: --max_compiles {args.max_compiles} is not positive', file=sys.stderr)
       return 2

@@ -7,7 +7,7 @@ Each process gets a distinct process id, the coordinator address (a free port
 on the loopback address: nothing listens on other interfaces) and its share of
 CPU devices through the environment (``RINGTRAIN_COORDINATOR``,
 ``RINGTRAIN_NUM_PROCESSES``, ``RINGTRAIN_PROCESS_ID``, ``RINGTRAIN_CPU_DEVICES``;
-see launch/runtime.py). The default share is the config's device count (the
+see trainer/runtime.py). The default share is the config's device count (the
 product of its mesh sizes) divided by N. Output lines are prefixed with
 ``[p<id>]`` and each process's output is also kept in ``WORKDIR/logs/``. When a
 process fails, the others are stopped (SIGTERM, then SIGKILL after a grace
@@ -26,6 +26,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from trainer import config as config_lib
 
 GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when stopping the others
 TAIL_LINES = 30
@@ -67,13 +69,12 @@ def _option(command: list[str], name: str) -> str | None:
 def config_devices(command: list[str]) -> int:
   """Devices the command's config asks for: the product of its mesh sizes."""
   sys.path.insert(0, os.getcwd())
-  from trainer import config as config_lib  # pylint: disable=g-import-not-at-top
   spec = _option(command, '--config')
   if spec is None:
     raise ValueError('the command has no --config, so pass --devices_per_process')
   overrides = [a for a in command if a.startswith('--config.')]
   cfg = config_lib.load(spec, overrides)
-  sizes = [v for k, v in cfg.mesh.items() if isinstance(v, int)]
+  sizes = list(cfg.mesh.sizes().values())
   if -1 in sizes:
     return cfg.hardware.cpu_devices
   return math.prod(sizes)

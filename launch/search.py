@@ -34,7 +34,10 @@ import itertools
 import math
 import sys
 
+from models.transformer import count_params
 from parallelism import hardware, step_model
+from trainer import metrics, validation
+from trainer.state import abstract_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,23 +107,22 @@ def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chip
 def candidates(cfg, chips: int, profile, progress=print) -> list[tuple[Layout, float, float]]:
   """(layout, estimated bytes per chip, analytical MFU) of the layouts worth compiling,
   best first."""
-  # pylint: disable=g-import-not-at-top
-  from models.transformer import count_params
-  from trainer import metrics, train
+  params = abstract_model(cfg.transformer()).params  # the same shapes in every layout
+  n = count_params(params)
   kept = []
   for layout in grid(cfg, chips):
-    trial = cfg.copy_and_resolve_references()
-    trial.mesh.data, trial.mesh.fsdp, trial.mesh.tensor = layout.data, layout.fsdp, layout.tensor
-    trial.mesh.expert = 1
-    trial.batch_size, trial.model.remat = layout.batch_size, layout.remat
+    trial = cfg.replace({'mesh.data': layout.data, 'mesh.fsdp': layout.fsdp,
+                         'mesh.tensor': layout.tensor, 'mesh.expert': 1,
+                         'batch_size': layout.batch_size, 'model.remat': layout.remat})
     mesh_shape = {'data': layout.data, 'fsdp': layout.fsdp, 'tensor': layout.tensor,
                   'expert': 1}
     try:
-      model_cfg, params = train.check_layout(trial, mesh_shape)
+      trial.validate()
+      validation.check_layout(trial, mesh_shape, params)
     except ValueError as e:
       progress(f'  skip {layout}: {str(e).splitlines()[0]}')
       continue
-    n = count_params(params)
+    model_cfg = trial.transformer()
     estimate = memory_estimate(model_cfg, n, layout, cfg.seq_len)
     if estimate > profile.usable_hbm_bytes:
       progress(f'  skip {layout}: estimated {estimate / 2**30:.1f} GiB per chip > '

@@ -12,7 +12,7 @@ r"""Runs a command on every worker of a Cloud TPU VM slice, through gcloud.
 3. runs the command on all workers at once (``gcloud compute tpus tpu-vm ssh
    ... --worker=all``), ``python`` meaning that venv's, with
    ``--config.distributed.auto=True`` added to trainer commands (the workers
-   find each other; launch/runtime.py). Every output line is prefixed with
+   find each other; trainer/runtime.py). Every output line is prefixed with
    ``[w<worker number>]`` and also kept in ``~/ringtrain/logs/`` on its worker.
 
 ``--stop`` sends SIGTERM to the trainer on every worker (the processes running

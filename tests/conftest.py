@@ -9,7 +9,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('RINGTRAIN_COMPILATION_CACHE', os.path.join(ROOT, '.cache', 'jax'))
 os.environ.pop('RINGTRAIN_CPU_DEVICES', None)
 
-from launch import runtime  # pylint: disable=wrong-import-position
+from trainer import runtime  # pylint: disable=wrong-import-position
 
 runtime.configure_host(8)
 

@@ -3,18 +3,16 @@
 import os
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import mesh as mesh_lib
-from trainer import data, pipeline
+from trainer import config, data, pipeline
 
 
 def _cfg(path='', **kw):
-  return ml_collections.ConfigDict({'path': path, 'bin_dtype': 'uint16', 'eval_fraction': 0.1,
-                                    'tokenizer': '', 'eval_path': '', 'weights': '', **kw})
+  return config.Data(path=path, **kw)
 
 
 def _in_memory(stream: np.ndarray, bounds=None) -> data.Data:

@@ -4,14 +4,13 @@ import os
 import re
 
 import pytest
-from flax import nnx
-
 from launch import aot
 from models import attention
-from models.transformer import Transformer, TransformerConfig, count_params
+from models.transformer import count_params
 from parallelism import mesh as mesh_lib
 from tests.conftest import ROOT
-from trainer import config as config_lib, train
+from trainer import config as config_lib, validation
+from trainer.state import abstract_model
 
 # configs/<name>.py; the size in the name (10b, 1t) is what the count must match.
 CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
@@ -29,10 +28,8 @@ def _named_size(name: str) -> float:
 @pytest.mark.parametrize('name', CONFIGS)
 def test_parameter_count_within_3_percent_of_the_name(name):
   cfg = _load(name)
-  model_cfg = TransformerConfig.from_config(cfg.model, cfg.get('moe'))
   # Abstract: shapes only, nothing allocated (as trainer/train.py checks a config).
-  params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0))))
-  count = count_params(params)
+  count = count_params(abstract_model(cfg.transformer()).params)
   assert abs(count / _named_size(name) - 1) <= 0.03, f'{name}: {count:,} parameters'
 
 
@@ -43,7 +40,7 @@ def test_runs_as_a_user_would_on_its_tpu_slice(name):
   assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.remat) == ('bfloat16', True, 'full')
   chip, chips = aot.parse_topology(cfg.aot.topology)
   assert chip.name == cfg.hardware.name
-  sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)  # raises unless the mesh covers the slice
+  sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)  # raises unless the mesh covers the slice
   assert sizes['fsdp'][1] > 1 and max(sizes['tensor'][1], sizes['expert'][1]) > 1
   assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0
 
@@ -51,11 +48,13 @@ def test_runs_as_a_user_would_on_its_tpu_slice(name):
 @pytest.mark.parametrize('chips', [1, 4, 8])  # one GPU; a v4-8; a v5e-8 or eight GPUs
 def test_the_single_host_config_fits_the_hosts_it_names(chips):
   cfg = _load('single_host')
-  sizes = mesh_lib.mesh_sizes(cfg.mesh, chips)
-  _, params = train.check_layout(cfg, {a: d * i for a, (d, i) in sizes.items()})
+  sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)
+  cfg.validate()
+  params = abstract_model(cfg.transformer()).params
+  validation.check_layout(cfg, {a: d * i for a, (d, i) in sizes.items()}, params)
   assert abs(count_params(params) / 76e6 - 1) <= 0.03, count_params(params)
   model = cfg.model
   picked = {platform: attention.choose(model.attention, platform, model.dtype, model.head_dim,
                                        cfg.seq_len, model.attention_block)
             for platform in ('gpu', 'tpu')}
-  assert picked == {'gpu': 'cudnn', 'tpu': 'blockwise'}
+  assert picked == {'gpu': 'cudnn', 'tpu': 'splash'}

@@ -3,13 +3,12 @@
 import collections
 import json
 
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import mesh as mesh_lib
-from trainer import data, pipeline, prepare
+from trainer import config, data, pipeline, prepare
 
 
 def _corpus(root, letter, n):
@@ -30,9 +29,7 @@ def corpora(tmp_path_factory):
 
 
 def _load(path, **kw):
-  cfg = ml_collections.ConfigDict({'path': path, 'eval_path': '', 'weights': '', 'tokenizer': '',
-                                   'bin_dtype': 'uint16', 'eval_fraction': 0.1, **kw})
-  return data.load(cfg, 264, 0)
+  return data.load(config.Data(path=path, **kw), 264, 0)
 
 
 def _texts(tokens):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launch import runtime
+from trainer import runtime
 from parallelism import hardware
 from tests.conftest import ROOT
 

@@ -5,14 +5,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
 from models.transformer import Transformer, TransformerConfig
 from tests.conftest import ROOT
-from trainer import data, pipeline, step, tokenizer, train
+from trainer import config, data, pipeline, step, tokenizer, train
 
 TEXT = ''.join(f'def f{i}(x):\n    return x * {i}  # héllo wörld ☃\n\n' for i in range(60))
 UNSEEN = 'x = 1\n\n  naïve ☃ 🎉 end\tZZZ'  # characters and emoji the training text lacks
@@ -76,9 +75,7 @@ def test_eos_from_tokenizer_config_and_a_tokenizer_without_one(tmp_path):
 
 
 def _data_cfg(path, spec):
-  return ml_collections.ConfigDict({'path': str(path), 'bin_dtype': 'uint16',
-                                    'eval_fraction': 0.2, 'tokenizer': spec, 'eval_path': '',
-                                    'weights': ''})
+  return config.Data(path=str(path), eval_fraction=0.2, tokenizer=spec)
 
 
 @pytest.mark.parametrize('kind', ['hf', 'sentencepiece'])

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -10,6 +9,7 @@ from flax import nnx
 
 from models.transformer import Transformer, TransformerConfig
 from trainer import metrics, optim
+from trainer.config import Optimizer
 from trainer.step import TrainState, make_train_step
 
 OPT = dict(learning_rate=1e-2, warmup_steps=10, end_lr_fraction=0.1, b1=0.9, b2=0.95,
@@ -17,7 +17,7 @@ OPT = dict(learning_rate=1e-2, warmup_steps=10, end_lr_fraction=0.1, b1=0.9, b2=
 
 
 def test_warmup_then_cosine():
-  schedule = optim.learning_rate_schedule(ml_collections.ConfigDict(OPT), 110)
+  schedule = optim.learning_rate_schedule(Optimizer(**OPT), 110)
   assert float(schedule(0)) == 0.0
   np.testing.assert_allclose(schedule(5), 5e-3, rtol=1e-6)
   np.testing.assert_allclose(schedule(10), 1e-2, rtol=1e-6)
@@ -35,7 +35,7 @@ def test_warmup_then_cosine():
 ])
 def test_schedule_shapes(kind, points):
   schedule = optim.learning_rate_schedule(
-      ml_collections.ConfigDict(OPT | {'schedule': kind, 'decay_fraction': 0.2}), 110)
+      Optimizer(**OPT | {'schedule': kind, 'decay_fraction': 0.2}), 110)
   assert float(schedule(0)) == 0.0
   np.testing.assert_allclose(schedule(5), 5e-3, rtol=1e-6)  # the same warmup for all
   np.testing.assert_allclose(schedule(10), 1e-2, rtol=1e-6)
@@ -45,10 +45,10 @@ def test_schedule_shapes(kind, points):
 
 def test_schedules_without_warmup_start_at_the_peak():
   for kind in optim.SCHEDULES:
-    opt = ml_collections.ConfigDict(OPT | {'schedule': kind, 'warmup_steps': 0})
+    opt = Optimizer(**OPT | {'schedule': kind, 'warmup_steps': 0})
     np.testing.assert_allclose(optim.learning_rate_schedule(opt, 100)(0), 1e-2, rtol=1e-6)
   rsqrt = optim.learning_rate_schedule(
-      ml_collections.ConfigDict(OPT | {'schedule': 'rsqrt', 'warmup_steps': 0}), 100)
+      Optimizer(**OPT | {'schedule': 'rsqrt', 'warmup_steps': 0}), 100)
   np.testing.assert_allclose(rsqrt(3), 5e-3, rtol=1e-6)  # 1e-2 / sqrt(step + 1)
 
 

@@ -24,7 +24,6 @@ not what a save writes, or whose arrays disagree with it is corrupt
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -34,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from trainer.config import Checkpoint
 
 FORMAT = 'ringtrain-checkpoint-1'
 SUBDIR = 'checkpoints'
@@ -249,28 +250,6 @@ def newest_good(steps: list[int], on_corrupt: str, load: Callable[[int], Any],
 
 # --------------------------------------------------------------- a run's
 
-@dataclasses.dataclass
-class Policy:
-  """When to save and what to keep (the ``checkpoint.*`` config group)."""
-  every: int = 0             # steps between saves; 0 disables checkpointing
-  keep: int = 3              # most recent checkpoints kept
-  keep_period: int = 0       # also keep every step divisible by this (0: none)
-  async_save: bool = True    # write in the background while training goes on
-  on_corrupt: str = 'error'  # error | previous: set bad ones aside, resume from an older one
-
-  @classmethod
-  def from_config(cls, cfg) -> 'Policy':
-    return cls(**{f.name: cfg[f.name] for f in dataclasses.fields(cls)})
-
-  def validate(self) -> None:
-    for key, low in (('every', 0), ('keep', 1), ('keep_period', 0)):
-      if getattr(self, key) < low:
-        raise ValueError(f'checkpoint.{key}={getattr(self, key)} must be >= {low}')
-    if self.on_corrupt not in ('error', 'previous'):
-      raise ValueError(f'checkpoint.on_corrupt={self.on_corrupt!r} is not one of error, '
-                       'previous')
-
-
 def _manager(directory: str, items: tuple[str, ...], **options) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(directory, item_names=items, options=ocp.CheckpointManagerOptions(
       atomicity_options=ATOMICITY, **options))
@@ -279,7 +258,7 @@ def _manager(directory: str, items: tuple[str, ...], **options) -> ocp.Checkpoin
 class Checkpointer:
   """Saves and restores one run's TrainState (see the module docstring)."""
 
-  def __init__(self, workdir: str, policy: Policy):
+  def __init__(self, workdir: str, policy: Checkpoint):
     self.directory, self.policy = directory_of(workdir), policy
     self._mngr = _manager(
         self.directory, ('params', 'opt_state', 'meta'), max_to_keep=policy.keep,

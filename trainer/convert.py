@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.transformer import Transformer, TransformerConfig
+from trainer import checkpoint, tokenizer, validation
 
 CHECK_TOLERANCE = 1e-4
 INDEX_FILE = 'model.safetensors.index.json'
@@ -130,9 +131,8 @@ def model_config_from_hf(hf: dict, scan_layers: bool = False,
     raise ConvertError(f'config.json has a size that is not a number ({e})') from None
   if head_dim % 2:
     raise ConvertError(f'head_dim={head_dim} must be even for rotary embeddings')
-  from trainer import train  # pylint: disable=g-import-not-at-top
   try:
-    train.check_model(cfg)
+    validation.check_model(cfg)
   except ValueError as e:
     raise ConvertError(f'config.json: {e}') from None
   return cfg
@@ -481,7 +481,6 @@ def cmd_import(args) -> int:
   cfg = dataclasses.replace(cfg, param_dtype=args.dtype)
   params = jax.tree.map(lambda x: np.asarray(x, jnp.dtype(args.dtype)), params)
   print(f'writing {args.dtype} params to {args.out_dir}', flush=True)
-  from trainer import checkpoint  # pylint: disable=g-import-not-at-top
   path = checkpoint.write_params(args.out_dir, params, dataclasses.asdict(cfg),
                                  source=f'hf:{os.path.abspath(args.hf_dir)}')
   copied = copy_tokenizer(args.hf_dir, args.out_dir)
@@ -494,7 +493,6 @@ def cmd_import(args) -> int:
 
 def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
   """Copies the tokenizer files of ``hf_dir`` next to the checkpoint; returns their names."""
-  from trainer import tokenizer  # pylint: disable=g-import-not-at-top
   names = [n for n in tokenizer.FILES if os.path.isfile(os.path.join(hf_dir, n))]
   if names and os.path.isfile(os.path.join(hf_dir, 'tokenizer_config.json')):
     names.append('tokenizer_config.json')  # names the end-of-document token
@@ -516,14 +514,13 @@ def export_hf(params: dict, cfg: TransformerConfig, out_dir: str) -> None:
 
 def cmd_export(args) -> int:
   """hf-export: returns the exit status."""
-  from trainer import checkpoint  # pylint: disable=g-import-not-at-top
   _check_out_dir(args.out_dir)
   if not os.path.exists(args.checkpoint):
     raise ConvertError(f'--checkpoint {args.checkpoint} does not exist')
   try:
     model_config, params = checkpoint.read_params(args.checkpoint)
     cfg = TransformerConfig.from_config(model_config)
-    cfg.validate()
+    validation.check_model(cfg)
     if cfg.moe.enabled:
       raise ValueError('a Mixture-of-Experts model has no Llama equivalent to export to')
   except (OSError, ValueError, KeyError, TypeError) as e:

@@ -36,16 +36,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import glob
+import gzip
 import hashlib
 import json
 import math
 import os
 import weakref
-from typing import Any
 
 import numpy as np
 
-from trainer import tokenizer as tokenizer_lib
+from trainer import config as config_lib, tokenizer as tokenizer_lib
+from trainer.config import Data as DataConfig
 
 BYTE_VOCAB = tokenizer_lib.BYTE_VOCAB
 EOS_ID = tokenizer_lib.EOS_ID  # end of document; follows every document in the stream
@@ -183,16 +184,16 @@ class Data:
     return sum(s.num_tokens for s in self.train)
 
 
-def load(data_cfg: Any, vocab_size: int, seed: int) -> Data:
+def load(data_cfg: DataConfig, vocab_size: int, seed: int) -> Data:
   """Reads ``data.path`` (and ``data.eval_path``); raises ValueError naming the problem."""
   path = data_cfg.path
   if path and (',' in path or os.path.isfile(os.path.join(path, MANIFEST))):
     return _load_prepared(data_cfg, vocab_size)
-  if data_cfg.get('weights', ''):
+  if data_cfg.weights:
     raise ValueError(f'data.weights={data_cfg.weights!r} weighs the corpora of a mixture, '
                      f'but data.path={path!r} is not prepared corpora')
   data = _load_in_memory(data_cfg, vocab_size, seed)
-  if data_cfg.get('eval_path', ''):
+  if data_cfg.eval_path:
     held = open_prepared(data_cfg.eval_path, 'eval', 'data.eval_path')
     _check_tokenizer(held[0], data_cfg, vocab_size, 'data.eval_path')
     data = dataclasses.replace(data, eval=held[1], description=(
@@ -200,9 +201,9 @@ def load(data_cfg: Any, vocab_size: int, seed: int) -> Data:
   return data
 
 
-def _load_in_memory(data_cfg: Any, vocab_size: int, seed: int) -> Data:
+def _load_in_memory(data_cfg: DataConfig, vocab_size: int, seed: int) -> Data:
   """The embedded corpus, text, token files or synthetic tokens; the tail held out."""
-  path, spec = data_cfg.path, data_cfg.get('tokenizer', '')
+  path, spec = data_cfg.path, data_cfg.tokenizer
   tok = tokenizer_lib.load(spec)
   if spec or not (path == 'synthetic' or path.endswith(('.npy', '.bin'))):  # text data
     tokenizer_lib.check_vocab(tok, vocab_size)
@@ -335,16 +336,16 @@ def _file(path: str, name: str, dtype: str, count: int, what: str) -> str:
   return file
 
 
-def _load_prepared(data_cfg: Any, vocab_size: int) -> Data:
+def _load_prepared(data_cfg: DataConfig, vocab_size: int) -> Data:
   paths = [p.strip() for p in data_cfg.path.split(',')]
-  weights = _weights(data_cfg.get('weights', ''), len(paths))
+  weights = _weights(data_cfg.weights, len(paths))
   corpora = [open_prepared(p, 'train') for p in paths]
   first = corpora[0][0]['tokenizer']
   for p, (manifest, _) in zip(paths, corpora):
     _check_tokenizer(manifest, data_cfg, vocab_size, 'data.path', p)
   if not weights:
     weights = [s.num_tokens for _, s in corpora]
-  given = data_cfg.get('eval_path', '')
+  given = data_cfg.eval_path
   if not given and len(paths) > 1:
     raise ValueError(f"data.eval_path='' but data.path is a mixture of {len(paths)} corpora: "
                      'name the prepared corpus whose held-out documents to score')
@@ -376,16 +377,16 @@ def _weights(text: str, count: int) -> list[float]:
   return weights
 
 
-def _check_tokenizer(manifest: dict, data_cfg: Any, vocab_size: int, what: str,
+def _check_tokenizer(manifest: dict, data_cfg: DataConfig, vocab_size: int, what: str,
                      path: str | None = None) -> None:
   """The corpus was tokenized as ``data.tokenizer`` says, into ids the model has."""
   tok = manifest['tokenizer']
-  path = path or data_cfg.get('eval_path', '')
+  path = path or data_cfg.eval_path
   name = "'' (byte-level)" if tok['byte_level'] else repr(tok['path'])
   if tok['vocab_size'] > vocab_size:
     raise ValueError(f'{what}={path!r} was tokenized with {name} ({tok["vocab_size"]} tokens) '
                      f'but model.vocab_size={vocab_size}: the vocabularies do not match')
-  spec = data_cfg.get('tokenizer', '')
+  spec = data_cfg.tokenizer
   if tok['byte_level'] and not spec:
     return
   same = (not tok['byte_level'] and spec and
@@ -421,7 +422,6 @@ def check_lengths(data: Data, seq_len: int, batch_size: int, eval_steps: int) ->
 
 def gzip_bits_per_byte(data: bytes) -> float:
   """Reference compressor: ``gzip -9`` size of ``data`` in bits per byte."""
-  import gzip  # pylint: disable=g-import-not-at-top
   return 8 * len(gzip.compress(data, compresslevel=9)) / max(len(data), 1)
 
 
@@ -432,7 +432,6 @@ def held_out_bytes(tokens: np.ndarray) -> bytes:
 
 def main() -> None:
   """``python -m trainer.data``: the embedded corpus and its gzip -9 baseline."""
-  from trainer import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load(os.path.join(os.path.dirname(__file__), '..', 'configs', 'default.py'))
   data = load(cfg.data, cfg.model.vocab_size, cfg.seed)
   held = data.eval.tokens()

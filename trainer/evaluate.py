@@ -21,45 +21,37 @@ import json
 import sys
 import tempfile
 
-import ml_collections
+from absl import logging as absl_logging
 
-from trainer import config as config_lib
+from trainer import checkpoint, config as config_lib, loop, train
+from trainer.config import Config
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog='python -m trainer.evaluate', description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = config_lib.add_help(argparse.ArgumentParser(prog='python -m trainer.evaluate',
+                                                  description=__doc__))
   p.add_argument('--checkpoint', required=True, help='workdir, checkpoints/ or step directory')
   p.add_argument('--config', default='', help="config file, path.py[:arg] (default: the "
                  "checkpoint's run config)")
   return p.parse_known_args(argv)
 
 
-def load_config(args, overrides) -> ml_collections.ConfigDict:
+def load_config(args, overrides) -> Config:
   """The run config (the checkpoint's, or ``--config``'s) with overrides; parameters from it."""
-  from trainer import checkpoint  # pylint: disable=g-import-not-at-top
-  if args.config:
-    cfg = config_lib.load(args.config, overrides)
-  else:
-    cfg = ml_collections.ConfigDict(checkpoint.peek_meta(args.checkpoint)['config'])
-    for key, raw in config_lib.parse_overrides(overrides):
-      config_lib.set_value(cfg, key, raw)
-  cfg.init_from = args.checkpoint
-  return cfg
+  values = (config_lib.load_dict(args.config) if args.config
+            else checkpoint.peek_meta(args.checkpoint)['config'])
+  return config_lib.build(values, overrides).replace({'init_from': args.checkpoint})
 
 
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's notes on read-only checkpoints
-  from trainer import train  # pylint: disable=g-import-not-at-top
   try:
     with tempfile.TemporaryDirectory() as workdir:  # no checkpoints there: nothing resumes
       run = train.prepare_loaded(load_config(args, overrides), workdir)
   except ValueError as e:  # ConfigError, a bad checkpoint (1 if corrupt)
     print(f'error: {str(e).strip(chr(34))}', file=sys.stderr)
     return getattr(e, 'exit_status', 2)
-  from trainer import checkpoint, loop  # pylint: disable=g-import-not-at-top
   s = loop.setup(run)
   record = loop._evaluate(s.eval_step, s.state.params, s.eval_batches)  # pylint: disable=protected-access
   cfg = run.cfg

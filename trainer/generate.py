@@ -34,7 +34,17 @@ import sys
 import time
 from typing import Any
 
-from trainer.config import ConfigError
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging as absl_logging
+from flax import nnx
+
+from models.transformer import Transformer, TransformerConfig
+from parallelism import mesh as mesh_lib, sharding
+from trainer import checkpoint, config as config_lib, runtime, tokenizer as tokenizer_lib, validation
+from trainer.config import ConfigError, Mesh
+from trainer.state import abstract_model, with_shardings
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'configs',
                               'default.py')
@@ -74,15 +84,13 @@ def check_args(args) -> None:
     raise ConfigError(f'--mesh.tensor={args.tensor} must be >= 0 (0: automatic)')
 
 
-# --- Sampling and the decode loop (jax imported lazily: the CLI sets up devices first).
+# --- Sampling and the decode loop.
 
 def sample(logits_bv, key, temperature: float, top_k: int, top_p: float, vocab_limit: int):
   """Next token ids ``[b]``: greedy at temperature 0, else filtered sampling.
 
   Ids at or above ``vocab_limit`` (padding beyond the tokenizer) are never chosen.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   logits = logits_bv.astype(jnp.float32)
   logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
   if temperature == 0:
@@ -129,10 +137,6 @@ def generate(model, prompt: list[int], max_new_tokens: int, *, temperature: floa
   prompt is one prefill call, then each new token one call. Every call is
   waited for (one sharded computation in flight, as in training).
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   cfg = model.cfg
   length = len(prompt) + max_new_tokens
   if not prompt:
@@ -197,8 +201,6 @@ def tensor_size(model_cfg, num_devices: int) -> int:
 
 def rules_for(path: str | None):
   """Logical-axis rules for generating from the checkpoint at ``path`` (see above)."""
-  from parallelism import sharding  # pylint: disable=g-import-not-at-top
-  from trainer import checkpoint, config as config_lib  # pylint: disable=g-import-not-at-top
   run_cfg = checkpoint.peek_meta(path).get('config') if path else None
   table = (run_cfg['mesh']['logical_axis_rules'] if run_cfg
            else config_lib.load(DEFAULT_CONFIG).mesh.logical_axis_rules)
@@ -207,34 +209,23 @@ def rules_for(path: str | None):
 
 def load_model(path: str, model_cfg, tensor: int):
   """The checkpoint's Transformer, parameters sharded over ``tensor`` devices."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from models.transformer import Transformer  # pylint: disable=g-import-not-at-top
-  from parallelism import mesh as mesh_lib, sharding  # pylint: disable=g-import-not-at-top
-  from trainer import checkpoint  # pylint: disable=g-import-not-at-top
-  mesh_cfg = {a: 1 for a in mesh_lib.AXES} | {f'dcn_{a}': 1 for a in mesh_lib.AXES}
-  mesh = mesh_lib.make_mesh(mesh_cfg | {'tensor': tensor}, jax.devices()[:tensor])
+  mesh = mesh_lib.make_mesh(Mesh(data=1, tensor=tensor).sizes(), jax.devices()[:tensor])
   rules = rules_for(path)
   # Plain einsums: one token at a time gives a collective nothing to overlap with.
   ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(0), ops), (1, 1),
                              mesh=mesh, rules=rules,
                              policy=sharding.MatmulPolicy(collective_matmul='never'))
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0), ops)))
-  specs = sharding.state_specs(abstract, rules)
-  sharding.check_divisible(abstract, specs, mesh)
-  shardings = sharding.named(mesh, specs)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract, shardings)
+  model = abstract_model(model_cfg, 0, ops)
+  abstract, _ = with_shardings(model.params, rules, mesh)
   params = checkpoint.restore_params(path, abstract)
-  return nnx.merge(graphdef, params), mesh
+  return nnx.merge(model.graphdef, params), mesh
 
 
 def _prepare(args):
   """(model config, tokenizer, prompt ids, tokenizer spec); raises ValueError on bad input."""
-  from models.transformer import TransformerConfig  # pylint: disable=g-import-not-at-top
-  from trainer import checkpoint, tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
   check_args(args)
   model_cfg = TransformerConfig.from_config(checkpoint.peek_model_config(args.checkpoint))
+  validation.check_model(model_cfg)
   if model_cfg.moe.enabled:
     raise ValueError(f'{args.checkpoint} is a Mixture-of-Experts model (moe.num_experts='
                      f'{model_cfg.moe.num_experts}); generation supports dense models only')
@@ -262,20 +253,16 @@ def _prepare(args):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's notes on read-only checkpoints
-  from launch import runtime  # pylint: disable=g-import-not-at-top
   err = lambda *a: print(*a, file=sys.stderr, flush=True)
-  try:  # before anything imports JAX: it reads JAX_PLATFORMS when imported
+  try:  # before JAX starts: it opens the platforms JAX_PLATFORMS names
     runtime.configure_host(runtime.cpu_device_count(8),
                            platform='cpu' if args.platform == 'cpu' else None)
   except ValueError as e:
     err(f'error: {e}')
     return 2
-  from trainer.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
   try:
     model_cfg, tok, prompt, spec = _prepare(args)
-    import jax  # pylint: disable=g-import-not-at-top
     tensor = args.tensor or tensor_size(model_cfg, jax.device_count())
     if tensor > jax.device_count():
       raise ValueError(f'--mesh.tensor={tensor} exceeds the {jax.device_count()} devices')
@@ -283,7 +270,7 @@ def main(argv=None) -> int:
       model, _ = load_model(args.checkpoint, model_cfg, tensor)
     except ValueError as e:
       raise ValueError(f'--mesh.tensor={tensor}: {e}') from None
-  except (ConfigError, ValueError, CheckpointError) as e:
+  except (ConfigError, ValueError, checkpoint.CheckpointError) as e:
     err(f'error: {str(e).strip(chr(34))}')
     return 2
   err(f'checkpoint {args.checkpoint}: tokenizer {spec or "bytes"} ({tok.vocab_size} tokens), '

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import threading
@@ -17,9 +16,11 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from models.transformer import Transformer, count_params
+from models.transformer import count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding
 from trainer import checkpoint, data, metrics as metrics_lib, optim, pipeline, profiling
+from trainer.config import Config
+from trainer.state import AbstractModel, with_shardings
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
@@ -54,35 +55,25 @@ class Program:
     return {k: spec for k in ('inputs', 'targets', 'positions', 'segments')}
 
 
-def build(cfg, model_cfg, mesh, rules) -> Program:
-  """Builds the model and optimizer abstractly and jits the train step for ``mesh``."""
-  micro_bt = (cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len)  # as traced
-  ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops),
-                             micro_bt, mesh=mesh, rules=rules,
-                             policy=sharding.MatmulPolicy.from_config(cfg))
-  make_model = lambda: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops)
-  graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
+def build(cfg: Config, model: AbstractModel, mesh, rules: sharding.Rules) -> Program:
+  """Adds the optimizer to ``model`` (abstract, with its ops); jits the train step for ``mesh``."""
   tx, schedule = optim.make_optimizer(cfg.optimizer, cfg.steps)
 
   def init() -> TrainState:
-    params = nnx.state(make_model())
+    params = model.create()
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
-  abstract_state = jax.eval_shape(init)
-  specs = sharding.state_specs(abstract_state, rules)
-  sharding.check_divisible(abstract_params, specs.params, mesh)
-  state_sharding = sharding.named(mesh, specs)
-  abstract_state = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract_state, state_sharding)
+  abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), model.params,
+                        jax.eval_shape(tx.init, model.params))
+  abstract_state, state_sharding = with_shardings(abstract, rules, mesh)
   batch_sharding = NamedSharding(mesh, sharding.logical_to_spec(('batch', 'length'), rules))
   train_step = jax.jit(
-      make_train_step(graphdef, tx, cfg.optimizer.z_loss, cfg.optimizer.grad_accum_steps,
+      make_train_step(model.graphdef, tx, cfg.optimizer.z_loss, cfg.optimizer.grad_accum_steps,
                       skip_nonfinite=cfg.on_nonfinite == 'skip'),
       in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
       donate_argnums=(0,))
   return Program(abstract_state, state_sharding, batch_sharding, train_step, init, tx,
-                 schedule, ops, graphdef, abstract_params)
+                 schedule, model.ops, model.graphdef, model.params)
 
 
 @dataclasses.dataclass
@@ -103,7 +94,7 @@ class Setup:
 def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
   """Builds the program, creates, resumes or fine-tunes its state sharded; makes the inputs."""
   cfg = run.cfg
-  p = build(cfg, run.model_cfg, run.mesh, run.rules)
+  p = build(cfg, run.model, run.mesh, run.rules)
   state, start_step = _initial_state(run, checkpointer, p)
   get_batch, eval_batches = pipeline.make(run.corpus, cfg, p.batch_sharding)
   if start_step:  # resumed: the data position the checkpoint recorded
@@ -141,7 +132,7 @@ def train(run) -> dict:
   cfg = run.cfg
   is_main = jax.process_index() == 0
   log = print if is_main else (lambda *a, **k: None)
-  policy = checkpoint.Policy.from_config(cfg.checkpoint)
+  policy = cfg.checkpoint
   ckpt = checkpoint.Checkpointer(run.workdir, policy)
   clock = metrics_lib.Stopwatch()  # where the wall time goes, from here on
   try:
@@ -149,7 +140,7 @@ def train(run) -> dict:
     clock.lap('setup')
     train_step = s.train_step.lower(s.state, s.get_batch(s.start_step)).compile()
     compile_s = clock.lap('compile')
-    profiling.dump_hlo(cfg, run.workdir, train_step, log)
+    profiling.dump_hlo(cfg.profile, run.workdir, train_step, log)
     flops_tok, peak = _announce(run, s, compile_s, log, write_report=is_main)
     if is_main:
       metrics_lib.trim(run.workdir, s.start_step)
@@ -167,7 +158,7 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock)
   writer = metrics_lib.MetricsWriter(run.workdir, last_step, s.start_step,
                                      enabled=jax.process_index() == 0, clock=clock)
   meta = checkpoint_meta(run)
-  tracer = profiling.StepTracer(cfg, run.workdir, s.start_step, log)
+  tracer = profiling.StepTracer(cfg.profile, run.workdir, s.start_step, log)
   steps = _StepMetrics(cfg, s.schedule, flops, run.mesh.size, writer, ckpt, last_step)
   overlap = overlaps_steps(run.mesh)
   state, eval_record, done = s.state, {}, s.start_step
@@ -282,7 +273,7 @@ def checkpoint_meta(run) -> dict:
   """What a checkpoint records besides arrays: enough to check a restore."""
   return {'model': dataclasses.asdict(run.model_cfg), 'seed': run.cfg.seed,
           'mesh': mesh_lib.describe(run.mesh), 'processes': jax.process_count(),
-          'config': json.loads(run.cfg.to_json()),
+          'config': run.cfg.to_dict(),
           'data': {'stream': pipeline.identity(run.corpus, run.cfg.batch_size, run.cfg.seq_len)}}
 
 

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import jax
+from tensorboardX import SummaryWriter
 
 from models.transformer import TransformerConfig
 
@@ -146,7 +147,6 @@ class MetricsWriter:
     if not enabled:
       return
     self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
-    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
     self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
 
   def write(self, step: int, record: dict[str, Any]) -> None:

@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
 
+from trainer.config import Optimizer
+
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'rsqrt')
-DEFAULT_DECAY_FRACTION = 0.2  # wsd: the last 20% of the steps decay (configs may omit the key)
 
 
-def validate(opt_cfg: Any) -> None:
-  """Raises ValueError (one line, naming the value) for a schedule that cannot be built."""
-  kind = opt_cfg.get('schedule', 'cosine')
-  if kind not in SCHEDULES:
-    raise ValueError(f'optimizer.schedule={kind!r} is not one of {", ".join(SCHEDULES)}')
-  if not (math.isfinite(opt_cfg.learning_rate) and opt_cfg.learning_rate > 0):
-    raise ValueError(f'optimizer.learning_rate={opt_cfg.learning_rate} must be finite and > 0')
-  if opt_cfg.warmup_steps < 0:
-    raise ValueError(f'optimizer.warmup_steps={opt_cfg.warmup_steps} must be >= 0')
-  if not 0 <= opt_cfg.end_lr_fraction <= 1:
-    raise ValueError(f'optimizer.end_lr_fraction={opt_cfg.end_lr_fraction} is not in [0, 1]')
-  decay = opt_cfg.get('decay_fraction', DEFAULT_DECAY_FRACTION)
-  if not 0 <= decay <= 1:
-    raise ValueError(f'optimizer.decay_fraction={decay} is not in [0, 1]')
-
-
-def learning_rate_schedule(opt_cfg: Any, steps: int) -> optax.Schedule:
+def learning_rate_schedule(opt_cfg: Optimizer, steps: int) -> optax.Schedule:
   """Linear warmup from 0 to the peak over ``warmup_steps``, then ``optimizer.schedule``.
 
   Peak ``learning_rate``; ``end = end_lr_fraction * peak``.
@@ -42,7 +24,6 @@ def learning_rate_schedule(opt_cfg: Any, steps: int) -> optax.Schedule:
   * ``rsqrt``: ``peak * sqrt(w / step)`` after the warmup (``w = max(warmup_steps, 1)``);
     no end value.
   """
-  validate(opt_cfg)
   warmup = min(opt_cfg.warmup_steps, max(steps - 1, 0))
   after = _after_warmup(opt_cfg, steps, warmup)
   if not warmup:
@@ -51,16 +32,16 @@ def learning_rate_schedule(opt_cfg: Any, steps: int) -> optax.Schedule:
       [optax.linear_schedule(0.0, opt_cfg.learning_rate, warmup), after], [warmup])
 
 
-def _after_warmup(opt_cfg: Any, steps: int, warmup: int) -> optax.Schedule:
+def _after_warmup(opt_cfg: Optimizer, steps: int, warmup: int) -> optax.Schedule:
   """The schedule from the end of the warmup on (its step 0 is the peak)."""
-  kind, peak = opt_cfg.get('schedule', 'cosine'), opt_cfg.learning_rate
+  kind, peak = opt_cfg.schedule, opt_cfg.learning_rate
   end, rest = peak * opt_cfg.end_lr_fraction, max(steps - warmup, 1)
   if kind == 'cosine':
     return optax.cosine_decay_schedule(peak, rest, alpha=opt_cfg.end_lr_fraction)
   if kind == 'linear':
     return optax.linear_schedule(peak, end, rest)
   if kind == 'wsd':
-    decay = min(round(opt_cfg.get('decay_fraction', DEFAULT_DECAY_FRACTION) * steps), rest)
+    decay = min(round(opt_cfg.decay_fraction * steps), rest)
     if decay:
       return optax.join_schedules([optax.constant_schedule(peak),
                                    optax.linear_schedule(peak, end, decay)], [rest - decay])
@@ -70,7 +51,8 @@ def _after_warmup(opt_cfg: Any, steps: int, warmup: int) -> optax.Schedule:
   return optax.constant_schedule(peak)  # constant, and wsd without a decay
 
 
-def make_optimizer(opt_cfg: Any, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(opt_cfg: Optimizer,
+                   steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Returns (optimizer, schedule). Weight decay applies to matrices only."""
   schedule = learning_rate_schedule(opt_cfg, steps)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)

@@ -57,7 +57,7 @@ def plot(workdirs: list[str], out_dir: str) -> list[str]:
   except ImportError:  # an optional extra: training does not need it
     raise ValueError("plots need matplotlib: pip install -e '.[plot]'") from None
   matplotlib.use('Agg')  # files only, no display
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  # after use('Agg')
   runs = [(name, read_metrics(w)) for name, w in zip(labels(workdirs), workdirs)]
   os.makedirs(out_dir, exist_ok=True)
   written = []

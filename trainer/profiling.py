@@ -18,18 +18,14 @@ import os
 
 import jax
 
+from trainer.config import Profile
+
 SUBDIR = 'profile'
 
 
-def _settings(cfg) -> tuple[int, int, bool]:
-  """(start_step, num_steps, dump_hlo); off for configs without a ``profile`` group."""
-  p = cfg.get('profile')
-  return (p.start_step, max(p.num_steps, 0), p.dump_hlo) if p is not None else (0, 0, False)
-
-
-def dump_hlo(cfg, workdir: str, compiled, log) -> None:
+def dump_hlo(cfg: Profile, workdir: str, compiled, log) -> None:
   """Writes ``compiled.as_text()`` when ``profile.dump_hlo`` is set (process 0)."""
-  if not _settings(cfg)[2] or jax.process_index() != 0:
+  if not cfg.dump_hlo or jax.process_index() != 0:
     return
   path = os.path.join(workdir, SUBDIR, 'train_step.hlo.txt')
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -41,8 +37,8 @@ def dump_hlo(cfg, workdir: str, compiled, log) -> None:
 class StepTracer:
   """Starts the trace before update ``start_step`` and stops it after the last one."""
 
-  def __init__(self, cfg, workdir: str, first_step: int, log):
-    self.start, num_steps, _ = _settings(cfg)
+  def __init__(self, cfg: Profile, workdir: str, first_step: int, log):
+    self.start, num_steps = cfg.start_step, max(cfg.num_steps, 0)
     self.stop_after = self.start + num_steps
     self.directory, self.log, self.active = os.path.join(workdir, SUBDIR), log, False
     if num_steps and first_step > self.start:

@@ -22,6 +22,8 @@ import json
 import os
 
 import numpy as np
+import sentencepiece
+import tokenizers
 
 BYTE_VOCAB = 256
 EOS_ID = 256
@@ -70,7 +72,6 @@ class HuggingFaceTokenizer(Tokenizer):
   """A ``tokenizer.json`` read with the ``tokenizers`` library (no special tokens added)."""
 
   def __init__(self, path: str):
-    import tokenizers  # pylint: disable=g-import-not-at-top
     try:
       self._tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # pylint: disable=broad-except
@@ -103,7 +104,6 @@ class SentencePieceTokenizer(Tokenizer):
   """A SentencePiece ``.model`` (no BOS/EOS added inside a document)."""
 
   def __init__(self, path: str):
-    import sentencepiece  # pylint: disable=g-import-not-at-top
     try:
       self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
     except Exception as e:  # pylint: disable=broad-except
@@ -200,6 +200,7 @@ def for_checkpoint(path: str) -> str:
   there) wins; else the ``data.tokenizer`` of the run that wrote it, as given
   to that run, or found relative to its workdir.
   """
+  # Orbax and JAX, which trainer.prepare's tokenizing workers do without:
   from trainer import checkpoint  # pylint: disable=g-import-not-at-top
   directory, _ = checkpoint.resolve(path)
   top = os.path.dirname(directory)

@@ -1,5 +1,8 @@
 """Process-level runtime set-up, done once by each entry point before JAX starts.
 
+``start(cfg)`` does all of it for a training config (trainer.train,
+trainer.evaluate); the parts below serve other entry points and tests.
+
 * The number of simulated CPU devices comes from ``RINGTRAIN_CPU_DEVICES`` when
   set (a launcher gives each process its share), else from the config.
 * XLA's CPU collective timeouts are raised: with many fake devices on few cores
@@ -21,6 +24,11 @@ from __future__ import annotations
 
 import glob
 import os
+
+import jax
+
+from parallelism import hardware
+from trainer.config import Config
 
 CPU_DEVICES_ENV = 'RINGTRAIN_CPU_DEVICES'
 COORDINATOR_ENV = 'RINGTRAIN_COORDINATOR'
@@ -101,7 +109,6 @@ def configure_host(cpu_devices: int, cache_dir: str | None = None,
   if platform == 'gpu':
     add_xla_flags(compiler_flags.split())
   add_xla_flags()
-  import jax  # pylint: disable=g-import-not-at-top
   # JAX reads JAX_PLATFORMS when first imported, which may have been before this.
   platforms = os.environ.get('JAX_PLATFORMS') or None
   if jax.config.jax_platforms != platforms:  # settable only before JAX starts
@@ -160,7 +167,6 @@ def start_distributed(settings: dict | None, cpu: bool) -> None:
   """
   if settings is None:
     return
-  import jax  # pylint: disable=g-import-not-at-top
   if cpu:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   if settings['auto']:  # TPU pod workers find each other themselves
@@ -169,3 +175,26 @@ def start_distributed(settings: dict | None, cpu: bool) -> None:
   jax.distributed.initialize(
       settings['coordinator_address'], settings['num_processes'], settings['process_id'],
       coordinator_bind_address=settings['bind_address'] or None, **settings['timeouts'])
+
+
+def start(cfg: Config) -> hardware.HardwareProfile:
+  """Starts JAX on this machine's platform with the chip's compiler flags.
+
+  Returns the profile of ``hardware.name``: the detected chip's for 'auto',
+  else the named one after checking that it matches the devices. 'cpu' keeps
+  to the CPU (simulated devices) whatever else the machine has. Raises
+  ValueError for a platform JAX cannot open or a chip that is not the devices.
+  """
+  name = cfg.hardware.name
+  platform = 'cpu' if name == 'cpu' else probe_platform()
+  configure_host(cpu_device_count(cfg.hardware.cpu_devices), platform=platform,
+                 compiler_flags=hardware.startup_flags(name, platform, cfg.hardware.xla_flags))
+  start_distributed(distributed_settings(cfg.distributed), cpu=platform == 'cpu')
+  try:
+    devices = jax.devices()
+  except RuntimeError as e:  # a visible TPU or GPU whose JAX plugin is missing or broken
+    extra = {'tpu': 'tpu', 'gpu': 'cuda12'}.get(platform, platform)
+    raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); install '
+                     f"the {extra} extra (pip install -e '.[{extra}]'), or set "
+                     'JAX_PLATFORMS=cpu to train on the CPU') from None
+  return hardware.detect(name, [d.device_kind for d in devices])

@@ -1,0 +1,39 @@
+"""Behaviour kept: a short run of configs/default.py gives the stored losses, bit for bit.
+
+The reference (tests/data/default_run.json) was written by this test with
+``RINGTRAIN_WRITE_REFERENCE=1`` on the code before a refactor; a change that
+means to alter the numbers rewrites it the same way and says why. The run is
+the default config (model, mesh data=2 x tensor=4, every dense layer
+decomposed, AdamW) for 3 steps, one held-out batch, no checkpoints.
+"""
+
+import json
+import os
+
+from tests.conftest import ROOT
+from trainer import train
+
+REFERENCE = os.path.join(ROOT, 'tests', 'data', 'default_run.json')
+SHORT = ['--config.steps=3', '--config.log_every=1', '--config.eval_every=0',
+         '--config.eval_steps=1', '--config.checkpoint.every=0']
+KEYS = ('loss', 'grad_norm', 'learning_rate', 'eval_loss', 'eval_bpb')
+
+
+def _run(workdir) -> list[dict]:
+  code = train.main(['--config', os.path.join(ROOT, 'configs', 'default.py'),
+                     '--workdir', str(workdir)] + SHORT)
+  assert code == 0
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    records = [json.loads(line) for line in f]
+  return [{'step': r['step'], **{k: r[k] for k in KEYS if k in r}}
+          for r in records if any(k in r for k in KEYS)]
+
+
+def test_default_config_losses_match_the_reference_bit_for_bit(tmp_path):
+  got = _run(tmp_path / 'run')
+  if os.environ.get('RINGTRAIN_WRITE_REFERENCE'):
+    with open(REFERENCE, 'w', encoding='utf-8') as f:
+      json.dump(got, f, indent=1)
+      f.write('\n')
+  with open(REFERENCE, encoding='utf-8') as f:
+    assert got == json.load(f)  # floats round-trip through JSON exactly

@@ -1,0 +1,109 @@
+"""Every check of a run's config, in one place; bad input raises ValueError naming it.
+
+``validate(cfg)`` (what ``Config.validate`` runs): each value on its own and
+against the others, without devices, before JAX starts. ``resolve_attention``:
+``model.attention`` on the platform the run found. ``check_layout``: the batch
+and every parameter divide over a mesh of given sizes; shapes only, so
+launch.aot checks a TPU slice on this CPU. The entry points turn the
+ValueErrors into one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+from models import attention
+from parallelism import hardware, sharding
+from trainer import optim
+from trainer.config import Config
+
+def validate(cfg: Config) -> None:
+  """Raises ValueError for the first value a run cannot use."""
+  _check_run(cfg)
+  check_model(cfg.transformer())
+  if cfg.hardware.name != 'auto':
+    hardware.get_profile(cfg.hardware.name)  # an unknown name: refused before JAX starts
+  sharding.MatmulPolicy.from_config(cfg).validate()
+  _check_optimizer(cfg.optimizer)
+  _check_checkpoint(cfg.checkpoint)
+  m = cfg.model
+  if cfg.seq_len > m.max_seq_len:
+    raise ValueError(f'seq_len={cfg.seq_len} exceeds model.max_seq_len={m.max_seq_len}')
+  if m.attention == 'blockwise' and cfg.seq_len % min(m.attention_block, cfg.seq_len):
+    raise ValueError(f'seq_len={cfg.seq_len} is not a multiple of '
+                     f'model.attention_block={m.attention_block}')
+
+
+def check_model(model_cfg) -> None:
+  """TransformerConfig.validate(), after the sizes it divides by: each at least 1.
+
+  Also for models that come from elsewhere (trainer/convert.py, trainer/generate.py).
+  """
+  for key in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
+              'mlp_dim', 'max_seq_len'):
+    if getattr(model_cfg, key) < 1:
+      raise ValueError(f'model.{key}={getattr(model_cfg, key)} must be at least 1')
+  model_cfg.validate()
+
+
+def _check_run(cfg: Config) -> None:
+  for key in ('steps', 'batch_size', 'seq_len', 'log_every', 'eval_steps'):
+    if getattr(cfg, key) < 1:
+      raise ValueError(f'{key}={getattr(cfg, key)} must be at least 1')
+  if cfg.eval_every < 0:
+    raise ValueError(f'eval_every={cfg.eval_every} must be >= 0 (0: only at the end)')
+  if cfg.optimizer.grad_accum_steps < 1:
+    raise ValueError(f'optimizer.grad_accum_steps={cfg.optimizer.grad_accum_steps} must be >= 1')
+  if cfg.stop_after is not None and not 0 < cfg.stop_after <= cfg.steps:
+    raise ValueError(f'stop_after={cfg.stop_after} is not in [1, steps={cfg.steps}]')
+  if cfg.on_nonfinite not in ('stop', 'skip'):
+    raise ValueError(f'on_nonfinite={cfg.on_nonfinite!r} is not one of stop, skip')
+  if not 0 <= cfg.seed < 2**32:  # numpy's and JAX's seeds; a bad one failed after writing
+    raise ValueError(f'seed={cfg.seed} is not in [0, 2**32)')
+
+
+def _check_optimizer(opt) -> None:
+  """A schedule that optim.learning_rate_schedule can build."""
+  if opt.schedule not in optim.SCHEDULES:
+    raise ValueError(f'optimizer.schedule={opt.schedule!r} is not one of '
+                     f'{", ".join(optim.SCHEDULES)}')
+  if not (math.isfinite(opt.learning_rate) and opt.learning_rate > 0):
+    raise ValueError(f'optimizer.learning_rate={opt.learning_rate} must be finite and > 0')
+  if opt.warmup_steps < 0:
+    raise ValueError(f'optimizer.warmup_steps={opt.warmup_steps} must be >= 0')
+  for key in ('end_lr_fraction', 'decay_fraction'):
+    if not 0 <= getattr(opt, key) <= 1:
+      raise ValueError(f'optimizer.{key}={getattr(opt, key)} is not in [0, 1]')
+
+
+def _check_checkpoint(ckpt) -> None:
+  for key, low in (('every', 0), ('keep', 1), ('keep_period', 0)):
+    if getattr(ckpt, key) < low:
+      raise ValueError(f'checkpoint.{key}={getattr(ckpt, key)} must be >= {low}')
+  if ckpt.on_corrupt not in ('error', 'previous'):
+    raise ValueError(f'checkpoint.on_corrupt={ckpt.on_corrupt!r} is not one of error, previous')
+
+
+def resolve_attention(cfg: Config, platform: str) -> Config:
+  """``cfg`` with ``model.attention`` the implementation it names on ``platform``.
+
+  'auto' becomes the one models/attention.py ``choose`` picks (recorded so in
+  config.json and checkpoints); 'cudnn' where it cannot run raises ValueError.
+  """
+  m = cfg.model
+  return cfg.replace({'model.attention': attention.choose(
+      m.attention, platform, m.dtype, m.head_dim, cfg.seq_len, m.attention_block)})
+
+
+def check_layout(cfg: Config, mesh_shape: dict, params: Any) -> None:
+  """Checks that the batch and the abstract ``params`` divide over a mesh of ``mesh_shape``."""
+  mesh = types.SimpleNamespace(shape=dict(mesh_shape))
+  rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
+  shards = sharding.mesh_axis_size(mesh, sharding.logical_to_spec(('batch',), rules)[0])
+  accum = cfg.optimizer.grad_accum_steps
+  if cfg.batch_size % (shards * accum):
+    raise ValueError(f'batch_size={cfg.batch_size} is not divisible by data*fsdp={shards}'
+                     f' x optimizer.grad_accum_steps={accum}')
+  sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
