@@ -37,7 +37,8 @@ def test_parameter_count_within_3_percent_of_the_name(name):
 def test_runs_as_a_user_would_on_its_tpu_slice(name):
   cfg = _load(name)
   assert cfg.hardware.name == 'tpu_v4'
-  assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.remat) == ('bfloat16', True, 'full')
+  assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.remat, cfg.model.attention) == (
+      'bfloat16', True, 'full', 'splash')
   chip, chips = aot.parse_topology(cfg.aot.topology)
   assert chip.name == cfg.hardware.name
   sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)  # raises unless the mesh covers the slice
