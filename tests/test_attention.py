@@ -81,23 +81,23 @@ def test_auto_picks_per_platform(platform, dtype, head_dim, seq_len, picked):
   assert attention.choose('xla', platform, dtype, head_dim, seq_len, 512) == 'xla'
 
 
-def test_cudnn_is_refused_where_it_cannot_run():
-  with pytest.raises(ValueError, match="'cudnn' runs on an NVIDIA GPU, this run is on the cpu"):
-    attention.choose('cudnn', 'cpu', 'bfloat16', 128, 2048, 512)
-  with pytest.raises(ValueError, match="cannot run model.dtype='float32'"):
-    attention.choose('cudnn', 'gpu', 'float32', 128, 2048, 512)
+@pytest.mark.parametrize('kernel, platform, dtype, seq_len, message', [
+    ('cudnn', 'cpu', 'bfloat16', 2048, "'cudnn' runs on an NVIDIA GPU, this run is on the cpu"),
+    ('cudnn', 'gpu', 'float32', 2048, "cannot run model.dtype='float32'"),
+    ('splash', 'gpu', 'bfloat16', 2048, "'splash' runs on a TPU, this run is on the gpu"),
+    ('splash', 'tpu', 'bfloat16', 2000, 'seq_len=2000 with model.attention_block=512'),
+])
+def test_kernels_are_refused_where_they_cannot_run(kernel, platform, dtype, seq_len, message):
+  with pytest.raises(ValueError, match=message):
+    attention.choose(kernel, platform, dtype, 128, seq_len, 512)
+
+
+def test_kernels_run_where_they_can_and_auto_needs_a_platform():
   assert attention.choose('cudnn', 'gpu', 'float16', 64, 2048, 512) == 'cudnn'
+  assert attention.choose('splash', 'tpu', 'bfloat16', 128, 256, 512) == 'splash'
   model = Transformer(TransformerConfig(attention='auto'), nnx.Rngs(0))
   with pytest.raises(ValueError, match="'auto' is chosen per platform"):
     model(jnp.zeros((1, 8), jnp.int32), segments_bt=jnp.zeros((1, 8), jnp.int32))
-
-
-def test_splash_is_refused_where_it_cannot_run():
-  with pytest.raises(ValueError, match="'splash' runs on a TPU, this run is on the gpu"):
-    attention.choose('splash', 'gpu', 'bfloat16', 128, 2048, 512)
-  with pytest.raises(ValueError, match='seq_len=2000 with model.attention_block=512'):
-    attention.choose('splash', 'tpu', 'bfloat16', 128, 2000, 512)
-  assert attention.choose('splash', 'tpu', 'bfloat16', 128, 256, 512) == 'splash'
 
 
 @pytest.mark.parametrize('n,k', [(4, 4), (4, 2)])

@@ -12,7 +12,7 @@ from flax import nnx
 
 from parallelism import hlo_text
 from tests.test_cli import DEFAULT, TINY
-from trainer import loop, step, train
+from trainer import loop, state, step, train
 
 
 def _run(workdir, *overrides):
@@ -96,7 +96,8 @@ def test_the_plan_is_made_before_tracing_and_tracing_changes_nothing(setups):
     jax.clear_caches()
     s.train_step.trace(s.state, s.get_batch(0))
     assert vars(ops) == fields and dict(ops.plan) == plan
-  assert dict(loop.build(run.cfg, run.model_cfg, run.mesh, run.rules).ops.plan) == plan
+  fresh = state.model_for_mesh(run.cfg, run.mesh, run.rules)
+  assert dict(loop.build(run.cfg, fresh, run.mesh, run.rules).ops.plan) == plan
   with pytest.raises(AttributeError, match='immutable'):
     ops.policy = None
   with pytest.raises(TypeError):
