@@ -170,7 +170,8 @@ class Parallelism:
   direction: str = _key('unidirectional', 'ring direction under always: unidirectional | '
                                           'bidirectional (under auto the cost model chooses)')
   unroll: int = _key(1, 'ring steps per loop iteration: 1 | 2')
-  ring_dtype: str = _key('compute', "what reduce-scatter rings' partial sums travel in: compute "
+  ring_dtype: str = _key('compute', 'what partial sums travel in (reduce-scatter rings, and '
+                                    "the compiler's collectives of plain einsums): compute "
                                     "(the model's dtype; each device adds in fp32) | float32")
 
 
