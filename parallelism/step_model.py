@@ -187,7 +187,8 @@ def splash_flops(ins: Instr, shapes: dict[str, str]) -> float:
   """Matmul FLOPs of a splash attention kernel (a ``tpu_custom_call``), else 0.
 
   Read from its name (``splash_mha_{fwd,dq,dkv}...``), the shapes of q
-  ``[..., heads, t, head_dim]`` and k (its first two 4-D operands) and the
+  ``[..., heads, t, head_dim]`` and k (its first two floating-point operands of
+  rank 3 or more: the compiler drops a batch of one) and the
   kernel's block sizes (its ``xprof_metadata``). The mask is causal (the only
   one models/attention.py builds): a query block visits the key blocks up to
   its last row; document masks skip no more blocks than that.
@@ -195,8 +196,9 @@ def splash_flops(ins: Instr, shapes: dict[str, str]) -> float:
   kind = re.match(r'splash_mha_(fwd|dq|dkv)', ins.name)
   if not kind or 'tpu_custom_call' not in ins.attrs:
     return 0.0
-  dims = [shape_dims(shapes.get(o, '')) for o in ins.operands]
-  q, k = [d for d in dims if len(d) == 4][:2]
+  floats = [shapes.get(o, '') for o in ins.operands]
+  q, k = [shape_dims(x) for x in floats if re.match(r'(bf16|f16|f32)\[', x)
+          and len(shape_dims(x)) >= 3][:2]  # [batch (absent at 1),] heads, length, head_dim
   suffix = '' if kind.group(1) == 'fwd' else '_' + kind.group(1)
   block = lambda key: int(re.search(rf'block_{key}{suffix}\\?": (\d+)', ins.attrs).group(1))
   t, s, bq, bkv = q[-2], k[-2], block('q'), block('kv')

@@ -275,3 +275,12 @@ def test_splash_kernels_count_their_causal_blocks():
   fwd = 2 * per_pair * 3 * 512 * 512             # q.k and p.v over 3 of 4 blocks of 512
   dkv = 4 * per_pair * (1 + 1 + 2 + 2) * 256 * 512  # query blocks of 256 see 1, 1, 2, 2 key blocks
   assert r.flops == pytest.approx(fwd + dkv)
+
+
+def test_splash_kernels_with_a_batch_of_one():
+  """The compiler drops a local batch of one: q and k come as [heads, length, head_dim]."""
+  unbatched = SPLASH.replace('[2,4,1024,128]', '[4,1024,128]').replace('[2,1,1024,128]',
+                                                                       '[1,1024,128]')
+  unbatched = unbatched.replace('{3,2,1,0}', '{2,1,0}')
+  assert step_model.analyze(unbatched, CHIP).flops == pytest.approx(
+      step_model.analyze(SPLASH, CHIP).flops / 2)
