@@ -61,6 +61,9 @@ def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules) 
   (``parallelism.*`` decides which dense layers run as collective einsums), made
   for the microbatch the train step traces."""
   model_cfg = cfg.transformer()
+  # Planning traces the sharded model: first refuse, naming it, a dimension the mesh
+  # does not divide (shapes only).
+  with_shardings(abstract_model(model_cfg, cfg.seed).params, rules, mesh)
   micro_bt = (cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len)
   ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops),
                              micro_bt, mesh=mesh, rules=rules,
