@@ -1,7 +1,7 @@
 r"""The input pipeline alone: tokens/s on a large prepared corpus, and its memory.
 
   python -m benchmarks.input [--workdir /tmp/ringtrain_input] [--gib 2] \
-      [--shapes 16x256 64x2048] [--json] [--keep]
+      [--shapes 16x256 64x2048] [--repeats 3] [--json] [--keep]
 
 Writes JSONL text (Python standard library source cut into documents of 64 B
 to 16 KiB) and prepares it with ``trainer.prepare`` (byte-level) twice: a
@@ -11,8 +11,11 @@ training split) in batches of each of ``--shapes`` (the default config's 16 x
 256, and 64 x 2048, a host's share of a larger run):
 
   * pipeline: the training batches trainer/pipeline.py builds (documents
-    shuffled, packed, segments and positions) through Grain's prefetching
-    iterator, one process holding every row;
+    shuffled, packed, segments and positions), one process holding every row,
+    built in the reading thread as the memmap reader's are; and again through
+    its prefetching thread (``pipeline.Prefetcher``, ``data.prefetch`` ahead),
+    which in training hides the building behind the device step and here, with
+    nothing to hide behind, adds the handover between threads;
   * memmap: a bare reader of the same shard files, ``np.memmap`` windows at
     random places stacked and cast to int32 (no documents, shuffling or prefetch);
   * pipeline on the 2 MB corpus, as many batches of the first shape: the peak RSS
@@ -21,7 +24,9 @@ training split) in batches of each of ``--shapes`` (the default config's 16 x
 and compiles and times the default config's train step (benchmarks/train_step.py)
 for the rate training consumes tokens at. Targets: pipeline >= 10x the
 default config's rate and >= 0.8x the memmap reader; peak RSS over the large
-corpus within 300 MB of the small one's. The corpora stay in ``--workdir``
+corpus within 300 MB of the small one's. Each reader reads its epoch
+``--repeats`` times, alternated with the other, and the median is reported
+(this shared machine's rates vary by a third between runs). The corpora stay in ``--workdir``
 for the next run with ``--keep``; else it is deleted at the end.
 """
 
@@ -80,17 +85,21 @@ def prepared(workdir: str, name: str, text_bytes: int) -> str:
   return out
 
 
-def run_pipeline(path: str, batch_size: int, seq_len: int, batches: int) -> dict:
-  """Reads ``batches`` training batches as the default config's pipeline would (fresh process)."""
+def run_pipeline(path: str, batch_size: int, seq_len: int, batches: int,
+                 prefetch: int | None = None) -> dict:
+  """Reads ``batches`` training batches as the default config's pipeline would (fresh
+  process), ``prefetch`` ahead (default ``data.prefetch``; 0: built in the caller)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from trainer import config as config_lib, data, pipeline  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load(DEFAULT, [f'--config.data.path={path}'])
   corpus = data.load(cfg.data, cfg.model.vocab_size, cfg.seed)
   dataset = pipeline.train_dataset(corpus, cfg.seed, batch_size, seq_len, np.arange(batch_size))
-  iterator = iter(dataset.to_iter_dataset(pipeline.read_options(cfg.data.prefetch)))
+  batches_ahead = pipeline.Prefetcher(
+      dataset, cfg.data.prefetch if prefetch is None else prefetch)
   start = time.perf_counter()
-  for _ in range(batches):
-    next(iterator)
+  for step in range(batches):
+    batches_ahead.get(step)
+  batches_ahead.close()
   return _result(batches * batch_size * seq_len, time.perf_counter() - start)
 
 
@@ -144,14 +153,25 @@ def measure(args) -> dict:
   for shape in args.shapes:
     batch_size, seq_len = map(int, shape.split('x'))
     batches = tokens // (batch_size * seq_len)  # one epoch of the large corpus
-    print(f'{shape}: reading {batches:,} batches', file=sys.stderr)
-    runs = {'pipeline': _fresh(run_pipeline, big, batch_size, seq_len, batches),
-            'memmap': _fresh(run_memmap, big, batch_size, seq_len, batches)}
+    print(f'{shape}: reading {batches:,} batches, {args.repeats} times each', file=sys.stderr)
+    readers = {'pipeline': (run_pipeline, 0), 'pipeline_prefetch': (run_pipeline, None),
+               'memmap': (run_memmap,)}
+    trials = {name: [] for name in readers}
+    for _ in range(args.repeats):  # alternated: all see the same machine load
+      for name, (run, *extra) in readers.items():
+        trials[name].append(_fresh(run, big, batch_size, seq_len, batches, *extra))
+    runs = {name: _median(t) for name, t in trials.items()}
     if shape == args.shapes[0]:
       runs['pipeline_small'] = _fresh(run_pipeline, small, batch_size, seq_len, batches)
     out['shapes'][shape] = runs
   out['default_config_tokens_per_sec'] = _fresh(default_config_rate, args.workdir)
   return out
+
+
+def _median(trials: list[dict]) -> dict:
+  """The trial with the median rate (all its numbers), and every trial's rate."""
+  ranked = sorted(trials, key=lambda t: t['tokens_per_sec'])
+  return ranked[len(ranked) // 2] | {'trial_tokens_per_sec': [t['tokens_per_sec'] for t in trials]}
 
 
 def _bytes(path: str) -> int:
@@ -162,11 +182,16 @@ def report(out: dict) -> str:
   big, small = (out['corpus_bytes'][k] / 1e6 for k in ('big', 'small'))
   default = out['default_config_tokens_per_sec']
   lines = [f'default config consumes {default:,.0f} tokens/s; corpus {big:,.0f} MB of tokens',
-           'batch      pipeline M tok/s  x default (>= 10)  memmap M tok/s  x memmap (>= 0.8)']
+           'batch      pipeline M tok/s  x default (>= 10)  memmap M tok/s  x memmap (>= 0.8)'
+           '  with prefetch thread M tok/s  x memmap']
   for shape, runs in out['shapes'].items():
     p, m = runs['pipeline']['tokens_per_sec'], runs['memmap']['tokens_per_sec']
+    t = runs['pipeline_prefetch']['tokens_per_sec']
     lines.append(f'{shape:10} {p / 1e6:16.1f} {p / default:18,.0f} {m / 1e6:15.1f} '
-                 f'{p / m:16.2f}')
+                 f'{p / m:16.2f} {t / 1e6:29.1f} {t / m:9.2f}')
+  lines.append('(pipeline and memmap build each batch in the reading thread; the prefetch '
+               'column hands them over from data.prefetch batches built ahead in a thread, '
+               'which in training hides the building behind the device step)')
   first = next(iter(out['shapes'].values()))
   rss, rss_small = first['pipeline']['peak_rss_mb'], first['pipeline_small']['peak_rss_mb']
   lines.append(f'peak RSS reading {first["pipeline"]["tokens"]:,} tokens: {rss:,.0f} MB from '
@@ -182,6 +207,8 @@ def main(argv=None) -> int:
   parser.add_argument('--gib', type=float, default=2.0, help='large corpus, GiB of tokens')
   parser.add_argument('--shapes', nargs='+', default=['16x256', '64x2048'],
                       help='batch_size x seq_len (default: the default config, then larger)')
+  parser.add_argument('--repeats', type=int, default=3,
+                      help='epochs read by each reader per shape, alternated; the median is shown')
   parser.add_argument('--json', action='store_true')
   parser.add_argument('--keep', action='store_true', help='keep the corpora in --workdir')
   args = parser.parse_args(argv)

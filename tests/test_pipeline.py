@@ -3,6 +3,7 @@
 import collections
 import json
 
+import grain
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
@@ -109,16 +110,17 @@ def test_resume_on_another_process_count_repeats_and_skips_nothing(corpora, devi
   """Two processes (each half of the rows) stop after step 3; one process resumes."""
   (a, _), (b, _) = corpora
   d = _load(f'{a},{b}', eval_path=a)
-  read = lambda rows: iter(pipeline.train_dataset(d, 0, 8, 16, rows).to_iter_dataset(
-      pipeline.read_options(2)))
+  read = lambda rows: pipeline.Prefetcher(pipeline.train_dataset(d, 0, 8, 16, rows), 2)
   straight = read(np.arange(8))
-  expected = [next(straight)['inputs'] for _ in range(6)]
+  expected = [straight.get(step)['inputs'] for step in range(6)]
   processes = [read(np.arange(4)), read(np.arange(4, 8))]
   for step in range(3):
-    got = np.concatenate([next(p)['inputs'] for p in processes])
+    got = np.concatenate([p.get(step)['inputs'] for p in processes])
     np.testing.assert_array_equal(got, expected[step])
-  position = processes[0].get_state()
-  assert position == processes[1].get_state() == {'next_index': 3}
+  position = {'next_index': processes[0].next_index}
+  assert position == {'next_index': processes[1].next_index} == {'next_index': 3}
+  for p in (straight, *processes):
+    p.close()
   mesh = mesh_lib.make_mesh(dict(data=8, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1,
                                  dcn_tensor=1, dcn_expert=1), devices)
   sharding = NamedSharding(mesh, PartitionSpec('data'))
@@ -142,3 +144,17 @@ def test_eval_path_scores_another_corpus_held_out_documents(corpora):
   assert _texts(own)[:-1] == [t for t in docs_a if prepare.held_out(t.encode(), 0.3)]
   with pytest.raises(ValueError, match='is not a directory|does not exist'):
     _load('', eval_path=a + '/nowhere')
+
+
+def test_prefetcher_repositions_and_raises_in_the_callers_thread():
+  dataset = grain.MapDataset.range(100).map(lambda k: 1 // (k - 7) if k == 7 else k * k)
+  ahead = pipeline.Prefetcher(dataset, 3)
+  assert [ahead.get(k) for k in (0, 1, 2)] == [0, 1, 4]
+  assert ahead.get(5) == 25 and ahead.next_index == 6  # another step: built from there
+  assert ahead.get(6) == 36
+  with pytest.raises(ZeroDivisionError):
+    ahead.get(7)
+  ahead.start(20)
+  assert ahead.get(20) == 400
+  ahead.close()
+  assert pipeline.Prefetcher(dataset, 0).get(9) == 81  # depth 0: built when asked
