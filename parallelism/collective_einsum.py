@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -72,9 +73,10 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   ok = [p for p in needs if not problems[p.axis]]
   chosen = (_choose_axis(eq, ok, lhs_shape, rhs_shape, dtype, mesh, hardware, wire_fp32)
             if ok else None)
-  estimate = chosen and cost_model.estimate(eq, chosen, lhs_shape, rhs_shape, dtype, mesh,
-                                            hardware or cost_model.DEFAULT_HARDWARE,
-                                            wire_fp32=wire_fp32)
+  estimate = chosen and cost_model.estimate(
+      eq, chosen, lhs_shape, rhs_shape, dtype, mesh, hardware or cost_model.DEFAULT_HARDWARE,
+      wire_fp32=wire_fp32, local=local_elements(eq, chosen.axis, lhs_shape, rhs_shape,
+                                                (lhs_spec, rhs_spec, out_spec), mesh))
   others = tuple(p.axis for p in needs if p is not chosen)
   if mode == 'none':
     return Decision(str(eq), 'none', None, chosen and chosen.kind, others, estimate,
@@ -119,7 +121,8 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
     if plan is None or plan.kind not in DECOMPOSABLE:
       forms.append('ring')  # the compiler's collective either way (_transpose_einsum)
       continue
-    est = cost_model.estimate(t_eq, plan, sa, sb, dtype, mesh, hardware, wire_fp32=wire_fp32)
+    est = cost_model.estimate(t_eq, plan, sa, sb, dtype, mesh, hardware, wire_fp32=wire_fp32,
+                              local=local_elements(t_eq, axis, sa, sb, (a, b, o), mesh))
     forms.append('ring' if est.seconds[mode] <= est.seconds['none'] else 'none')
   return tuple(forms)
 
@@ -133,6 +136,26 @@ def _choose_axis(eq, candidates, lhs_shape, rhs_shape, dtype, mesh, hardware,
   cost = lambda p: cost_model.estimate(eq, p, lhs_shape, rhs_shape, dtype, mesh,
                                        hardware, wire_fp32=wire_fp32).comm_seconds
   return max(candidates, key=cost)
+
+
+def local_elements(eq: Equation, axis: str, lhs_shape, rhs_shape, specs, mesh):
+  """Elements of (lhs, rhs, output) one device holds in the ring over ``axis``.
+
+  Operands as the ring takes them (``hoisted_specs``: other axes' collectives done
+  before it); the output without the axes its partial sums are reduced over
+  after the ring, which hold it whole until then.
+  """
+  lhs_spec, rhs_spec, out_spec = specs
+  lhs_spec, rhs_spec = hoisted_specs(eq, axis, lhs_spec, rhs_spec, out_spec)
+  summed = _summed_axes(eq, axis, lhs_spec, rhs_spec)
+  sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
+
+  def count(letters, spec, whole=()):
+    axes = [a for ax in einsum_plan.letter_axes(letters, spec).values() for a in ax
+            if a not in whole]
+    return math.prod(sizes[l] for l in letters) / math.prod(mesh.shape[a] for a in axes)
+
+  return count(eq.lhs, lhs_spec), count(eq.rhs, rhs_spec), count(eq.out, out_spec, summed)
 
 
 def _problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n) -> str:
@@ -410,16 +433,17 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   dim = (eq.lhs if on_lhs else eq.rhs).index(z)
   block = owner.shape[dim] // r.n
 
-  def partial(*ks):  # one einsum for the output blocks ks, split after it
+  # Partial sums leave the MXU (fp32 inside) in the wire dtype, travel and wait in it.
+  wire = r.wire or _acc(r.dtype)
+
+  def partial(*ks):  # one einsum for the output blocks ks, joined along z
     piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
                              for k in ks], axis=dim)
     args = (piece, rhs) if on_lhs else (lhs, piece)
-    out = jnp.einsum(str(eq), *args, preferred_element_type=_acc(r.dtype))
-    return out if len(ks) == 1 else tuple(jnp.split(out, len(ks), axis=eq.out.index(z)))
+    return jnp.einsum(str(eq), *args, preferred_element_type=wire)
 
   return ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
-                                    unroll=r.unroll, wire_dtype=r.wire,
-                                    partial_pair=partial).astype(r.dtype)
+                                    unroll=r.unroll, pair_axis=eq.out.index(z)).astype(r.dtype)
 
 
 def _all_gather_local(r: _Ring, idx, lhs, rhs):

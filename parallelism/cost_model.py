@@ -6,14 +6,16 @@ For the decomposed axis of size N, per device:
   bandwidth)`` with ``F`` its FLOPs and ``B`` the bytes it reads and writes;
   one ring step takes ``c = max(F / N / peak, b / HBM bandwidth)``, where ``b``
   is what one step reads and writes: its operand blocks and output part, plus,
-  where partial sums accumulate, the fp32 accumulator read and written again
-  every step (an all-gather over a contracted dim; a reduce-scatter's
-  accumulator, written, received and added). A ring whose steps are bound by
-  that traffic while the plain einsum is not loses to ``none`` (the same
-  max(FLOPs, bytes) rule as the step model, parallelism/step_model.py, and
-  the same hardware table; profiles without an HBM bandwidth, the CPU's, count
-  FLOPs only). Every operand's local size is taken as its global size over
-  all devices.
+  where partial sums accumulate, the accumulator read and written again every
+  step (an all-gather over a contracted dim: fp32; a reduce-scatter's partial
+  sum, written, then read with the arriving one and their sum written, in the
+  wire dtype). A ring whose steps are bound by that traffic while the plain
+  einsum is not loses to ``none`` (the same max(FLOPs, bytes) rule as the step
+  model, parallelism/step_model.py, and the same hardware table; profiles
+  without an HBM bandwidth, the CPU's, count FLOPs only). Operand and output
+  sizes are what one device holds in the ring: an output whose partial sums
+  are reduced over other axes after it (a weight gradient over ``fsdp``) is
+  whole over them until then.
 * ``t``: one ring step's transfer in one direction, ``block bytes / (link
   bandwidth x ring links) + step latency``; the block is the gathered
   operand's local block (all-gathers) or a partial-sum block of the output in
@@ -78,8 +80,14 @@ class Estimate:
 
 
 def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
-             hardware, wire_fp32: bool = False) -> Estimate:
-  """Models ``none``, ``unidirectional`` and ``bidirectional`` for ``plan.axis``."""
+             hardware, wire_fp32: bool = False, local=None) -> Estimate:
+  """Models ``none``, ``unidirectional`` and ``bidirectional`` for ``plan.axis``.
+
+  ``local``: the elements of (lhs, rhs, output) one device holds in the ring
+  (``collective_einsum.local_elements``); by default each global size over all
+  devices, which undercounts an output whose partial sums are reduced after the
+  ring (a weight gradient's, whole over ``fsdp`` until then).
+  """
   profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(hardware)
   sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
   n = mesh.shape[plan.axis]
@@ -87,14 +95,16 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   flops = 2 * math.prod(sizes.values()) / shards
   peak = profile.peak_flops or CPU_NOMINAL_FLOPS
   itemsize = jnp.dtype(dtype).itemsize
-  plain_bytes, step_bytes = _hbm_bytes(eq, plan, sizes, shards, n, itemsize)
+  if local is None:
+    local = tuple(math.prod(sizes[l] for l in letters) / shards
+                  for letters in (eq.lhs, eq.rhs, eq.out))
+  # partial sums travel in the compute dtype, or fp32 (parallelism.ring_dtype)
+  wire = max(itemsize, 4) if wire_fp32 else itemsize
+  plain_bytes, step_bytes = _hbm_bytes(eq, plan, dict(zip('lro', local)), n, itemsize, wire)
   if plan.kind == 'reducescatter':
-    # the accumulator travels in the compute dtype, or fp32 (parallelism.ring_dtype)
-    block = math.prod(sizes[l] for l in eq.out) / shards * (max(itemsize, 4) if wire_fp32
-                                                            else itemsize)
+    block = local[2] * wire
   else:
-    letters = eq.lhs if plan.gathered == 'lhs' else eq.rhs
-    block = math.prod(sizes[l] for l in letters) / shards * itemsize
+    block = local[0 if plan.gathered == 'lhs' else 1] * itemsize
   hbm = profile.hbm_bandwidth or math.inf
   t_comp = max(flops / peak, plain_bytes / hbm)
   c = max(flops / n / peak, step_bytes / hbm)
@@ -114,21 +124,21 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
                   step_bytes / hbm > flops / n / peak)
 
 
-def _hbm_bytes(eq: Equation, plan: AxisPlan, sizes: dict, shards: int, n: int,
-               itemsize: int) -> tuple[float, float]:
+def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
+               wire: int) -> tuple[float, float]:
   """(bytes the plain einsum reads and writes, bytes one ring step does), per device.
 
-  ``local(x)`` is an operand's block on one device; ``n`` the ring's size.
+  ``local``: the elements of each operand's block on one device ('l', 'r', 'o');
+  ``n`` the ring's size; ``wire`` the bytes of a partial sum's element.
   """
-  local = lambda letters: math.prod(sizes[l] for l in letters) / shards
-  lhs, rhs, out = local(eq.lhs), local(eq.rhs), local(eq.out)
+  lhs, rhs, out = local['l'], local['r'], local['o']
   acc = 4  # partial sums accumulate in fp32
   if plan.kind == 'reducescatter':  # the unreduced output, then its reduce-scatter
     owner, other = (lhs, rhs) if plan.out_letter in eq.lhs else (rhs, lhs)
-    plain = itemsize * (lhs + rhs) + acc * n * out
-    # a slice of the owner and the other operand; a partial sum written, then the
-    # arriving accumulator read, added and written
-    return plain, itemsize * (owner / n + other) + 3 * acc * out
+    plain = itemsize * (lhs + rhs) + wire * n * out
+    # a slice of the owner and the other operand; a partial sum written, then it and
+    # the arriving accumulator read, added (in fp32) and written, all in the wire dtype
+    return plain, itemsize * (owner / n + other) + 4 * wire * out
   g, o = (lhs, rhs) if plan.gathered == 'lhs' else (rhs, lhs)
   plain = itemsize * (n * g + o + out)  # the gathered operand, whole
   if plan.kind == 'allgather_free':  # a block, the other operand, a part of the output

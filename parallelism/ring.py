@@ -105,44 +105,57 @@ def _unfused(x: jax.Array) -> jax.Array:
 
 def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
                           split: tuple[int, int], unroll: int = 1,
-                          wire_dtype=None, partial_pair: Callable | None = None) -> jax.Array:
+                          pair_axis: int | None = None) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k)`` is this device's contribution to output block k. Accumulators
   travel the ring and each device adds its contribution as one passes; the
   contribution for the next step does not depend on the transfer in flight.
-  With ``wire_dtype`` (e.g. bf16) an accumulator travels in that dtype and is
-  added in its own (fp32) on each device: half the bytes per step. A
-  bidirectional step computes two contributions; ``partial_pair(k1, k2)``
-  gives both from one einsum, else ``partial`` runs twice.
+  Accumulators travel, and rest between steps, in the dtype ``partial`` returns
+  (bf16 for a bf16 model: half the bytes on the wire and in HBM); every
+  addition runs in fp32 (at least) and rounds once. A bidirectional step
+  computes two contributions: with ``pair_axis``, ``partial(k1, k2)`` gives both
+  from one einsum, concatenated along that dimension, else ``partial`` runs
+  twice.
   """
-  if partial_pair is None:
-    partial_pair = lambda k1, k2: (partial(k1), partial(k2))
+  def partial_pair(k1, k2, barrier=lambda x: x):
+    if pair_axis is None:
+      return barrier((partial(k1), partial(k2)))
+    # The barrier holds the joined product, so each half is read where it is added
+    # (a slice fused into the addition), not copied out first.
+    return tuple(jnp.split(barrier(partial(k1, k2)), 2, axis=pair_axis))
+
   n_right, n_left = split
   at = lambda s: (idx + s) % n
   if n == 1:
     return partial(idx)
 
-  def recv(acc, offset):
-    wire = acc if wire_dtype is None else acc.astype(wire_dtype)
-    return recv_from(wire, axis, n, offset).astype(acc.dtype)
-
   def step_r(s, acc_r):
-    return recv(acc_r, -1) + _unfused(partial(at(n_right - s)))
+    return _sum(recv_from(acc_r, axis, n, -1), _unfused(partial(at(n_right - s))))
 
   if n_left:  # accumulators that move right (n_right hops) and left (n_left hops)
     acc_r, acc_l = partial_pair(at(n_right), at(-n_left))
 
     def both(s, carry):
       acc_r, acc_l = carry
-      mine_r, mine_l = _unfused(partial_pair(at(n_right - s), at(s - n_left)))
-      return recv(acc_r, -1) + mine_r, recv(acc_l, +1) + mine_l
+      mine_r, mine_l = partial_pair(at(n_right - s), at(s - n_left), _unfused)
+      return (_sum(recv_from(acc_r, axis, n, -1), mine_r),
+              _sum(recv_from(acc_l, axis, n, +1), mine_l))
 
     acc_r, acc_l = _loop(1, n_left, both, (acc_r, acc_l), unroll)
   else:
     acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
-  out = recv(acc_r, -1) + partial(idx)
+  last = [recv_from(acc_r, axis, n, -1), partial(idx)]
   if n_left:
-    out = out + recv(acc_l, +1)
-  return out
+    last.append(recv_from(acc_l, axis, n, +1))
+  return _sum(*last)
+
+
+def _sum(*xs: jax.Array) -> jax.Array:
+  """The sum of ``xs`` computed in fp32 (or wider), rounded once to their dtype."""
+  acc = jnp.promote_types(xs[0].dtype, jnp.float32)
+  total = xs[0].astype(acc)
+  for x in xs[1:]:
+    total = total + x.astype(acc)
+  return total.astype(xs[0].dtype)

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib
-from parallelism.collective_einsum import collective_einsum, explain
+from parallelism.collective_einsum import collective_einsum, explain, local_elements
 
 T, D = 'tensor', 'data'
 # (equation, lhs spec, rhs spec, out spec, expected kind); T is decomposed.
@@ -324,6 +324,22 @@ def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
                            hardware='tpu_v4').mode
   assert pick(4096) == 'none' and pick(65536) != 'none'
+
+
+def test_cost_model_counts_a_weight_gradient_accumulator_whole_over_summed_axes():
+  # dW = x^T g over tokens sharded on data (reduced after the ring) and on tensor (the
+  # ring): each device accumulates the whole [d, f/4] until the ring ends, not a
+  # [d, f] / 8 share; at 256 tokens per step that accumulator makes the ring lose.
+  mesh = _mesh(4, data=2)
+  eq, ls, rs, os_ = 'btd,btf->df', P(D, T, None), P(D, None, T), P(None, T)
+  b, t, d, f = 4, 512, 8192, 8192
+  shapes = ((b, t, d), (b, t, f))
+  assert local_elements(einsum_plan.Equation.parse(eq), T, *shapes,
+                        (ls, rs, os_), mesh)[2] == d * f / 4
+  decision = explain(eq, *shapes, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                     out_spec=os_, hardware='tpu_v4')
+  assert decision.collective == 'allgather_contracting'
+  assert decision.estimate.step_memory_bound and decision.mode == 'none'
 
 
 @pytest.mark.parametrize('pattern', [p for p in PATTERNS if p[0] in ('btd,df->btf', 'bf,fd->bd')],
