@@ -68,6 +68,7 @@ class TransformerConfig:
   attention: str = 'xla'      # one of ATTENTION
   attention_block: int = 512  # key positions per block of 'blockwise' and 'splash'
   splash_interpret: bool = False  # 'splash' through the Pallas interpreter (CPU tests)
+  fused_projections: bool = False  # one einsum for q/k/v and one for gate/up
   moe: MoeConfig = MoeConfig()  # the ``moe.*`` group; dense when num_experts == 0
 
   @classmethod
@@ -178,14 +179,24 @@ class Attention(nnx.Module):
     """Query, key and value projections, rotated by position."""
     cfg, ops, dt = self.cfg, self.ops, jnp.dtype(self.cfg.dtype)
     proj = lambda eq, w, w_axes, out_axes, name: ops.einsum(
-        eq, x_btd, w[...].astype(dt), x_axes=RESIDUAL, w_axes=w_axes,
+        eq, x_btd, w, x_axes=RESIDUAL, w_axes=w_axes,
         out_axes=out_axes, name=f'{self.path}.{name}')
-    q_btnh = proj('btd,dnh->btnh', self.q_dnh, ('embed', 'heads', 'head_dim'),
-                  ('batch', 'length', 'heads', 'head_dim'), 'q')
-    k_btkh = proj('btd,dkh->btkh', self.k_dkh, ('embed', 'kv_heads', 'head_dim'),
-                  ('batch', 'length', 'kv_heads', 'head_dim'), 'k')
-    v_btkh = proj('btd,dkh->btkh', self.v_dkh, ('embed', 'kv_heads', 'head_dim'),
-                  ('batch', 'length', 'kv_heads', 'head_dim'), 'v')
+    q, k, v = (w[...].astype(dt) for w in (self.q_dnh, self.k_dkh, self.v_dkh))
+    if cfg.fused_projections:  # one einsum; each kv head's group of queries, then k, v
+      b, t, n, h, kv = *x_btd.shape[:2], cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
+      g = n // kv
+      w_dkgh = jnp.concatenate([q.reshape(-1, kv, g, h), k[:, :, None], v[:, :, None]], 2)
+      out = proj('btd,dkgh->btkgh', w_dkgh, ('embed', 'kv_heads', None, 'head_dim'),
+                 ('batch', 'length', 'kv_heads', None, 'head_dim'), 'qkv')
+      q_btnh, k_btkh, v_btkh = out[:, :, :, :g].reshape(b, t, n, h), out[:, :, :, g], \
+          out[:, :, :, g + 1]
+    else:
+      q_btnh = proj('btd,dnh->btnh', q, ('embed', 'heads', 'head_dim'),
+                    ('batch', 'length', 'heads', 'head_dim'), 'q')
+      k_btkh = proj('btd,dkh->btkh', k, ('embed', 'kv_heads', 'head_dim'),
+                    ('batch', 'length', 'kv_heads', 'head_dim'), 'k')
+      v_btkh = proj('btd,dkh->btkh', v, ('embed', 'kv_heads', 'head_dim'),
+                    ('batch', 'length', 'kv_heads', 'head_dim'), 'v')
     q_btnh = rotary(q_btnh, positions_bt, cfg.rope_theta)
     k_btkh = rotary(k_btkh, positions_bt, cfg.rope_theta)
     return q_btnh, k_btkh, v_btkh
@@ -245,10 +256,18 @@ class Mlp(nnx.Module):
   def __call__(self, x_btd):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     hid = ('batch', 'length', 'mlp')
-    up = lambda w, name: ops.einsum('btd,df->btf', x_btd, w[...].astype(dt),
-                                    x_axes=RESIDUAL, w_axes=('embed', 'mlp'),
-                                    out_axes=hid, name=f'{self.path}.{name}')
-    h_btf = jax.nn.silu(up(self.gate_df, 'gate')) * up(self.up_df, 'up')
+    gate, up = self.gate_df[...].astype(dt), self.up_df[...].astype(dt)
+    if self.cfg.fused_projections:  # one einsum over both weights
+      both = ops.einsum('btd,sdf->btsf', x_btd, jnp.stack([gate, up]), x_axes=RESIDUAL,
+                        w_axes=(None, 'embed', 'mlp'), out_axes=('batch', 'length', None, 'mlp'),
+                        name=f'{self.path}.gate_up')
+      gated, upped = both[:, :, 0], both[:, :, 1]
+    else:
+      proj = lambda w, name: ops.einsum('btd,df->btf', x_btd, w, x_axes=RESIDUAL,
+                                        w_axes=('embed', 'mlp'), out_axes=hid,
+                                        name=f'{self.path}.{name}')
+      gated, upped = proj(gate, 'gate'), proj(up, 'up')
+    h_btf = jax.nn.silu(gated) * upped
     return ops.einsum('btf,fd->btd', h_btf, self.down_fd[...].astype(dt),
                       x_axes=hid, w_axes=('mlp', 'embed'), out_axes=RESIDUAL,
                       name=f'{self.path}.down')

@@ -29,8 +29,9 @@ def _losses(workdir):
 
 @pytest.mark.parametrize('layout', [[], ['--config.model.scan_layers=true',
                                          '--config.model.remat=full'],
-                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2']],
-                         ids=['layers', 'scanned+remat', 'fsdp+tensor'])
+                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2'],
+                                    ['--config.model.fused_projections=true']],
+                         ids=['layers', 'scanned+remat', 'fsdp+tensor', 'fused'])
 def test_always_trains_like_never(tmp_path, layout):
   steps = 20 if not layout else 5
   common = [f'--config.steps={steps}', '--config.log_every=1', '--config.eval_every=0', *layout]
@@ -45,8 +46,9 @@ def test_always_trains_like_never(tmp_path, layout):
     rows = json.load(f)['layers']
   decomposed = {r['path'] for r in rows if r['decision'] == 'unidirectional'}
   prefix = 'blocks.*' if '--config.model.scan_layers=true' in layout else 'blocks.1'
-  assert {f'{prefix}.mlp.gate', f'{prefix}.mlp.down', f'{prefix}.attn.q',
-          f'{prefix}.attn.o', 'unembed'} <= decomposed
+  names = (('mlp.gate_up', 'attn.qkv') if '--config.model.fused_projections=true' in layout
+           else ('mlp.gate', 'attn.q'))
+  assert {f'{prefix}.{n}' for n in names + ('mlp.down', 'attn.o')} | {'unembed'} <= decomposed
 
 
 @pytest.fixture(scope='module')

@@ -78,6 +78,22 @@ def test_scanned_equals_unrolled():
   np.testing.assert_allclose(looped(tokens), scanned(tokens), rtol=1e-5, atol=1e-5)
 
 
+def test_fused_projections_compute_the_same_model():
+  # One einsum over joined q/k/v (and gate/up) weights: the same parameters, values
+  # and gradients as one einsum per projection.
+  cfg = TransformerConfig(**{**SMALL, 'num_kv_heads': 2})
+  fused = TransformerConfig(**{**SMALL, 'num_kv_heads': 2, 'fused_projections': True})
+  graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)))
+  fused_def, fused_params = nnx.split(Transformer(fused, nnx.Rngs(0)))
+  assert jax.tree.structure(params) == jax.tree.structure(fused_params)
+  tokens = _tokens()
+  loss = lambda g: jax.value_and_grad(lambda p: jnp.mean(nnx.merge(g, p)(tokens) ** 2))
+  (a, grad_a), (b, grad_b) = loss(graphdef)(params), loss(fused_def)(params)
+  np.testing.assert_allclose(a, b, rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
 def test_sharded_forward_equals_unsharded(devices):
   mesh = mesh_lib.make_mesh(dict(data=2, fsdp=1, tensor=4, expert=1, dcn_data=1,
                                  dcn_fsdp=1, dcn_tensor=1, dcn_expert=1), devices)

@@ -71,6 +71,10 @@ class Model:
                                'run starts, recorded in config.json)')
   attention_block: int = _key(512, 'key positions per block of blockwise and splash attention '
                                    '(`seq_len` must be a multiple, or smaller)')
+  fused_projections: bool = _key(False, 'one einsum for query/key/value (`attn.qkv`) and one for '
+                                        'gate/up (`mlp.gate_up`) over weights joined each step: '
+                                        'the input is gathered (its gradient reduce-scattered) '
+                                        'once per block, not once per projection; same parameters')
 
 
 @dataclasses.dataclass(frozen=True)
