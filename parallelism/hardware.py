@@ -79,6 +79,11 @@ class HardwareProfile:
   ring_links: int         # links a ring on one mesh axis uses per direction
   step_latency: float     # seconds of fixed cost per ring step (launch, sync)
   async_collectives: bool  # can a transfer overlap compute at all?
+  # Does the compiler run an all-to-all asynchronously? The TPU programs compiled here
+  # block on every all-to-all (docs/benchmarks.md: moe_1t), so expert chunks cannot
+  # overlap their exchanges there; XLA's GPU backend runs them async by default
+  # (--xla_gpu_enable_async_all_to_all).
+  async_all_to_all: bool = False
   hbm_bandwidth: float = 0.0     # bytes/s; 0: not modeled (CPU)
   usable_hbm_bytes: float = 0.0  # what the compiler lets one program use
   tpu: TpuSlice | None = None    # set for TPU chips: how launch.aot names a slice
@@ -117,10 +122,10 @@ PROFILES = {p.name: p for p in (
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
                     hbm_bandwidth=3.35e12, usable_hbm_bytes=80e9, platform='gpu',
-                    device_kind=r'NVIDIA H100.*', compiler_flags=GPU_OVERLAP_FLAGS),
+                    async_all_to_all=True,                    device_kind=r'NVIDIA H100.*', compiler_flags=GPU_OVERLAP_FLAGS),
     HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
                     hbm_bandwidth=4.8e12, usable_hbm_bytes=141e9, platform='gpu',
-                    device_kind=r'NVIDIA H200.*', compiler_flags=GPU_OVERLAP_FLAGS),
+                    async_all_to_all=True,                    device_kind=r'NVIDIA H200.*', compiler_flags=GPU_OVERLAP_FLAGS),
 )}
 TPU_PREFIXES = {p.tpu.prefix: p for p in PROFILES.values() if p.tpu}
 

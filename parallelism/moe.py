@@ -22,10 +22,11 @@ peak:
   (``step_model.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
   the ring, the expert axis taken as one torus dimension, plus its latency);
 * ``single``: ``2a + T_c``;
-* ``chunked`` with C chunks, asynchronous collectives: a three-stage pipeline
+* ``chunked`` with C chunks, asynchronous all-to-alls (``async_all_to_all`` in
+  the hardware table: GPUs; the TPU compiler blocks on them): a three-stage pipeline
   whose link is shared by both exchanges,
   ``(2a + T_c) / C + (C-1)/C x max(T_c, 2a) + 2 (C-1) latency``;
-  without asynchronous collectives: ``2a + T_c + 2 (C-1) latency``.
+  otherwise: ``2a + T_c + 2 (C-1) latency``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
   t_c = expert_flops / devices / (profile.peak_flops or CPU_NOMINAL_FLOPS)
   single = 2 * a + t_c
   extra = 2 * (chunks - 1) * profile.step_latency
-  if profile.async_collectives:
+  if profile.async_collectives and profile.async_all_to_all:
     chunked = single / chunks + (chunks - 1) / chunks * max(t_c, 2 * a) + extra
   else:
     chunked = single + extra

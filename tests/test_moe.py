@@ -174,17 +174,20 @@ def test_exchange_cost_model_and_auto_choice(devices):
   from parallelism import hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12  # [batch, exp, capacity, embed]
-  tpu = hardware.get_profile('tpu_v4')
-  # 3/4 of a device's bytes over both ring directions, 2 sequential steps of latency
-  a = (math.prod(shape) * itemsize / 8 * 3 / 4 / (2 * tpu.link_bandwidth)
-       + 2 * tpu.step_latency)
-  t_c = flops / 8 / tpu.peak_flops
-  seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, 'tpu_v4')
-  np.testing.assert_allclose(seconds['single'], 2 * a + t_c)
-  np.testing.assert_allclose(seconds['chunked'], (2 * a + t_c) / 2 + max(t_c, 2 * a) / 2
-                             + 2 * tpu.step_latency)
+  for name, overlaps in (('h100', True), ('tpu_v4', False)):
+    chip = hardware.get_profile(name)
+    # 3/4 of a device's bytes over both ring directions, 2 sequential steps of latency
+    a = (math.prod(shape) * itemsize / 8 * 3 / 4 / (2 * chip.link_bandwidth)
+         + 2 * chip.step_latency)
+    t_c = flops / 8 / chip.peak_flops
+    seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, name)
+    np.testing.assert_allclose(seconds['single'], 2 * a + t_c)
+    # async all-to-alls (GPU) pipeline the chunks; the TPU compiler blocks on them
+    chunked = (2 * a + t_c) / 2 + max(t_c, 2 * a) / 2 if overlaps else 2 * a + t_c
+    np.testing.assert_allclose(seconds['chunked'], chunked + 2 * chip.step_latency)
   auto = lambda hw: moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 2, 'auto', hw)
-  assert auto('tpu_v4').mode == 'chunked'  # transfers overlap compute there
+  assert auto('h100').mode == 'chunked'  # the exchanges overlap expert compute there
+  assert auto('tpu_v4').mode == 'single'  # blocking all-to-alls: chunks only add steps
   assert auto('cpu').mode == 'single'      # synchronous copies: chunking only adds steps
   assert moe_lib.decide(shape, itemsize, flops, mesh, None, 2, 'chunked', 'cpu').reason == (
       'no expert parallelism: no all-to-all')
