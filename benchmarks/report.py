@@ -224,8 +224,10 @@ def render_terms(aot: dict) -> list[str]:
       by_compute = d_compute >= d_exposed if slower else d_compute <= d_exposed
       term = ('compute (memory-bound or recomputed work)' if by_compute
               else 'exposed communication')
+      same = abs(m[v]['step_seconds'] - base['step_seconds']) < 1e-3 * base['step_seconds']
       rows.append([name, v, f"{m[v]['speedup_vs_baseline']:.3f}x", f'{d_compute:+.3f}',
-                   f'{d_exposed:+.3f}', ('loses on ' if slower else 'gains on ') + term])
+                   f'{d_exposed:+.3f}', 'neither: the same modeled step as the baseline' if same
+                   else ('loses on ' if slower else 'gains on ') + term])
     if 'ours' in m:
       met.append((name, m['ours']['speedup_vs_baseline'],
                   m['ours']['compute_seconds'] / base['compute_seconds'],
