@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.num_kv_heads = 8
   c.model.mlp_dim = 26112
   c.optimizer.learning_rate = 1.5e-4
+  c.mesh.fsdp = 64
   c.mesh.tensor = 8
   c.aot.topology = 'v4:8x8x8'      # the slice launch.aot compiles for (--topology overrides)
   return c
