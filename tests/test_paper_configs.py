@@ -12,12 +12,16 @@ from tests.conftest import ROOT
 from trainer import config as config_lib, validation
 from trainer.state import abstract_model
 
-# configs/<name>.py; the size in the name (10b, 1t) is what the count must match.
-CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
+# configs/<name>.py, and each on v5p (configs/v5p.py:<name>); the size in the name (10b,
+# 1t) is what the count must match.
+V4 = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
+CONFIGS = V4 + [f'v5p:{name}' for name in V4]
 
 
 def _load(name):
-  return config_lib.load(os.path.join(ROOT, 'configs', f'{name}.py'))
+  chip, _, model = name.rpartition(':')
+  return config_lib.load(os.path.join(ROOT, 'configs', f'{chip}.py:{model}' if chip
+                                      else f'{model}.py'))
 
 
 def _named_size(name: str) -> float:
@@ -36,7 +40,7 @@ def test_parameter_count_within_3_percent_of_the_name(name):
 @pytest.mark.parametrize('name', CONFIGS)
 def test_runs_as_a_user_would_on_its_tpu_slice(name):
   cfg = _load(name)
-  assert cfg.hardware.name == 'tpu_v4'
+  assert cfg.hardware.name == ('tpu_v5p' if name.startswith('v5p:') else 'tpu_v4')
   assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.remat, cfg.model.attention) == (
       'bfloat16', True, 'full', 'splash')
   chip, chips = aot.parse_topology(cfg.aot.topology)
