@@ -247,7 +247,7 @@ class _Static:
   axis: str
   bidirectional: bool
   unroll: int
-  wire_fp32: bool = False  # reduce-scatter accumulators travel in fp32
+  wire_fp32: bool = False  # partial sums (accumulators, reductions) travel in fp32
   backward: tuple[str, str] = ('ring', 'ring')  # Decision.backward
 
   def transposed(self, which: str) -> '_Static':
@@ -293,8 +293,9 @@ def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring'):
   eq, plan = _axis_plan(cfg)
   if plan.kind in DECOMPOSABLE and form == 'ring':
     out = _ring_einsum(cfg, a, b)
-  else:  # e.g. an all-reduce: the compiler's collective
-    out = jnp.einsum(str(eq), a, b, preferred_element_type=_acc(dtype))
+  else:  # e.g. an all-reduce: the compiler's collective, of partial sums in the wire dtype
+    wire = _acc(dtype) if cfg.wire_fp32 else dtype
+    out = jnp.einsum(str(eq), a, b, preferred_element_type=wire)
   out = jax.lax.with_sharding_constraint(out, NamedSharding(cfg.mesh, cfg.out_spec))
   return out.astype(dtype)
 
@@ -312,6 +313,7 @@ class _Ring:
   manual: tuple[str, ...]  # the shard_map's manual axes: the ring's, then ``summed``
   summed: tuple[str, ...]  # axes whose partial sums are reduced after the ring
   scatter: dict           # output dim -> the summed axes it is reduce-scattered over
+  reduce_dtype: Any       # what the reduction over ``summed`` carries
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs):
@@ -325,7 +327,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   # failed: state.use_count() == num_threads (9 vs. 8)", seen with 8 fake
   # devices). On CPU the ring is therefore fully unrolled, so every step has
   # its own ops; other backends keep the loop and ``unroll``.
-  unroll = True if cfg.mesh.devices.flat[0].platform == 'cpu' else cfg.unroll
+  on_cpu = cfg.mesh.devices.flat[0].platform == 'cpu'
+  unroll = True if on_cpu else cfg.unroll
   direction = 'bidirectional' if cfg.bidirectional else 'unidirectional'
   # Collectives over other axes (an FSDP weight's gather) happen once, here,
   # not once per ring step inside the loop, where the compiler would put them.
@@ -342,8 +345,13 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
       einsum_plan.spec_entry(tuple(a for a in einsum_plan.axes_of(e) if a in manual))
       for e in spec])
   scatter, out_spec = _reduction(eq, summed, cfg.out_spec, manual)
+  # Partial sums over ``summed`` cross devices in the wire dtype, as the compiler's
+  # reductions of plain einsums do: bf16 halves a weight gradient's reduce-scatter. XLA's
+  # CPU backend aborts on a bf16 psum here ("Invalid binary instruction opcode copy"), so
+  # on CPU they are reduced in fp32.
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
-            None if cfg.wire_fp32 else dtype, manual, summed, scatter)
+            None if cfg.wire_fp32 else dtype, manual, summed, scatter,
+            _acc(dtype) if cfg.wire_fp32 or on_cpu else dtype)
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
     return jax.shard_map(functools.partial(_local, r), mesh=cfg.mesh,
@@ -408,7 +416,8 @@ def _local(r: _Ring, ids, lhs, rhs):
   """Per-device body: blocks along the manual axes are local, other axes global.
 
   The result holds partial sums over ``r.summed`` until the end, where each dim
-  in ``r.scatter`` is reduce-scattered over its axes and the rest all-reduced.
+  in ``r.scatter`` is reduce-scattered over its axes and the rest all-reduced,
+  in ``r.reduce_dtype``.
   """
   if r.plan.kind == 'reducescatter':
     out = _reduce_scatter_local(r, ids[0], lhs, rhs)
@@ -416,7 +425,7 @@ def _local(r: _Ring, ids, lhs, rhs):
     out = _all_gather_local(r, ids[0], lhs, rhs)
   if not r.summed:
     return out
-  out = out.astype(_acc(r.dtype))  # sums in fp32 (XLA's CPU backend has no bf16 all-reduce)
+  out = out.astype(r.reduce_dtype)
   scattered = set()
   for dim, axes in r.scatter.items():
     out = jax.lax.psum_scatter(out, axes, scatter_dimension=dim, tiled=True)

@@ -12,7 +12,8 @@ from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib
-from parallelism.collective_einsum import collective_einsum, explain, local_elements
+from parallelism.collective_einsum import (collective_einsum, explain, local_elements,
+                                          run_decision)
 
 T, D = 'tensor', 'data'
 # (equation, lhs spec, rhs spec, out spec, expected kind); T is decomposed.
@@ -289,6 +290,27 @@ def test_reduce_scatter_accumulators_travel_in_the_compute_dtype(mode):
   with pytest.raises(ValueError, match="ring_dtype='int8'"):
     explain(eq, lhs.shape, rhs.shape, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
             out_spec=os_, ring_dtype='int8')
+
+
+def test_gradients_left_to_the_compiler_carry_the_wire_dtype():
+  # A weight gradient computed as one einsum (backward form 'none') leaves its partial
+  # sums over the batch to the compiler's reduce-scatter: in bf16 under ring_dtype='compute',
+  # as a plain einsum's are (it moved fp32, twice the bytes, before).
+  mesh = _mesh(4, data=2)
+  eq, ls, rs, os_ = 'btd,df->btf', P(D, T, None), P(None, T), P(D, None, T)
+  x = jax.random.normal(jax.random.key(0), (4, 8, 16)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (16, 32)).astype(jnp.bfloat16)
+  d = explain(eq, x.shape, w.shape, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='unidirectional')
+  d = dataclasses.replace(d, backward=('ring', 'none'))
+  ref = jax.grad(lambda w: jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).sum())(w)
+  for ring_dtype, want in (('compute', 'bf16'), ('float32', 'f32')):
+    grad = jax.jit(jax.grad(lambda w, r=ring_dtype: run_decision(
+        d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+        ring_dtype=r).astype(jnp.float32).sum()))
+    text = grad.lower(w).as_text()
+    assert set(re.findall(r'dot_general.*-> tensor<16x32x(\w+)>', text)) == {want}
+    assert _rel(grad(w), ref) < 2e-2
 
 
 def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
