@@ -3,11 +3,18 @@ r"""A ~1T-parameter Mixture-of-Experts decoder on 1024 TPU v4 chips.
 About 1.015T parameters, 66B of them multiplied per token: 64 scanned blocks,
 d_model 8192, 64 query heads of 128 over 8 key/value heads; every second block's
 MLP is 64 SwiGLU experts of width 19456 (top-2, capacity factor 1.25), the
-others dense SwiGLU 32768; vocabulary 32768. Mesh fsdp=16 x expert=64 on a
-v4:8x8x16 slice: each expert lives on one expert-axis slice, sharded 16 ways
-over fsdp; dense weights are sharded over both axes. Global batch 1024 x 1024
-tokens, bf16 compute over fp32 master weights and AdamW state, full remat, the
-expert all-to-all in 2 chunks.
+others dense SwiGLU 32768; vocabulary 32768. Mesh fsdp=8 x tensor=8 x expert=16
+on a v4:8x8x16 slice: four experts live on each expert-axis slice, their
+weights sharded over fsdp (embed) and tensor (mlp); dense weights are sharded
+over fsdp and expert (embed) and tensor (heads, mlp), with the residual stream
+sequence-parallel over tensor. Global batch 1024 x 1024 tokens, bf16 compute
+over fp32 master weights and AdamW state, full remat, the expert all-to-all in
+up to 2 chunks (``auto`` chunks it only where that pays).
+
+The tensor axis is what lets rings decompose the dense layers. Without it
+(fsdp=16 x expert=64) every dense weight is sharded over all 1024 chips, and the
+compiler gathers and reduces such weights with synchronous all-reduces (2.56 s
+per step, modeled; docs/paper_scale.md).
 
 Nothing here runs on this machine's CPU; compile it for the TPU slice ahead of
 time (needs the tpu extra):
@@ -40,14 +47,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.moe.overlap_chunks = 2
 
   c.mesh.data = 1
-  c.mesh.fsdp = 16
-  c.mesh.tensor = 1
-  c.mesh.expert = 64
-  # Tokens over every axis (expert last: one all-to-all reaches the experts);
-  # expert weights: exp over expert, embed over fsdp; dense weights over both.
+  c.mesh.fsdp = 8
+  c.mesh.tensor = 8
+  c.mesh.expert = 16
+  # Tokens over fsdp and expert (expert last: one all-to-all reaches the experts), the
+  # residual stream's sequence over tensor; expert weights: exp over expert, embed over
+  # fsdp, mlp over tensor; dense weights: embed over fsdp and expert, the rest over tensor.
   c.mesh.logical_axis_rules = [
       ['batch', ['data', 'fsdp', 'expert']],
       ['batch', ['data', 'fsdp']],
+      ['residual_length', 'tensor'],
       ['exp', 'expert'],
       ['embed', ['fsdp', 'expert']],
       ['embed', 'fsdp'],
