@@ -7,7 +7,8 @@ Sweeps a bounded grid of layouts for the config's model on the slice:
 * tokens per chip: the config's batch, half and twice it;
 * remat: ``full`` and ``minimal``.
 
-Candidates the layout checks refuse (divisibility, as the trainer checks) are
+Candidates the slice cannot lay out (each mesh size a product of its physical
+axes) or the layout checks refuse (divisibility, as the trainer checks) are
 dropped; the rest get an **estimate** of their memory per chip (below) and are
 dropped when it is above the chip's usable HBM. The survivors are ranked by an
 analytical MFU (``modeled_mfu``: matmul time at peak with remat's recompute,
@@ -104,13 +105,34 @@ def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chip
   return model_flops / (chips * profile.peak_flops * (max(compute, fsdp) + tp))
 
 
-def candidates(cfg, chips: int, profile, progress=print) -> list[tuple[Layout, float, float]]:
+def assignable(sizes, physical) -> bool:
+  """Whether every mesh axis of ``sizes`` (in mesh order) is the product of some of the
+  slice's ``physical`` axes not yet taken, as JAX builds a TPU device mesh (physical axes
+  are not split)."""
+  left = list(physical)
+  for size in (s for s in sizes if s > 1):
+    pick = next((c for r in range(1, len(left) + 1)
+                 for c in itertools.combinations(range(len(left)), r)
+                 if math.prod(left[i] for i in c) == size), None)
+    if pick is None:
+      return False
+    left = [d for i, d in enumerate(left) if i not in pick]
+  return True
+
+
+def candidates(cfg, chips: int, profile, progress=print,
+               physical=None) -> list[tuple[Layout, float, float]]:
   """(layout, estimated bytes per chip, analytical MFU) of the layouts worth compiling,
-  best first."""
+  best first; with ``physical`` (the slice's axes, e.g. ``(4, 4, 8)``), only layouts the
+  slice can lay out."""
   params = abstract_model(cfg.transformer()).params  # the same shapes in every layout
   n = count_params(params)
   kept = []
   for layout in grid(cfg, chips):
+    if physical and not assignable((layout.data, layout.fsdp, layout.tensor), physical):
+      progress(f'  skip {layout}: the slice {"x".join(map(str, physical))} cannot lay out '
+               'these mesh sizes (each must be a product of its axes)')
+      continue
     trial = cfg.replace({'mesh.data': layout.data, 'mesh.fsdp': layout.fsdp,
                          'mesh.tensor': layout.tensor, 'mesh.expert': 1,
                          'batch_size': layout.batch_size, 'model.remat': layout.remat})
@@ -139,7 +161,8 @@ def run(args, overrides, cfg, topology: str, profile, chips: int, variants: list
   """The search: prune, compile the best ``args.max_compiles``, print the table."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
-  kept = candidates(cfg, chips, profile, progress)
+  kept = candidates(cfg, chips, profile, progress,
+                   physical=[int(d) for d in topology.split(':')[1].split('x')])
   chosen = kept[:args.max_compiles]
   progress(f'{len(kept)} pass the checks and the memory estimate; compiling the best '
            f'{len(chosen)} by analytical MFU, {len(variants)} variant(s) each')
