@@ -14,7 +14,8 @@ from tests.conftest import ROOT
 
 DENSE_10B = os.path.join(ROOT, 'configs', 'dense_10b.py')
 # dense_10b shrunk to a few MB on 8 chips (v4:2x2x2), every dense layer decomposed.
-SMALL = ['--config.mesh.fsdp=2', '--config.mesh.tensor=4', '--config.batch_size=8',
+SMALL = ['--config.mesh.data=1', '--config.mesh.fsdp=2', '--config.mesh.tensor=4',
+         '--config.model.remat=full', '--config.batch_size=8',
          '--config.seq_len=512', '--config.model.d_model=512', '--config.model.num_layers=2',
          '--config.model.num_heads=8', '--config.model.num_kv_heads=4',
          '--config.model.head_dim=64', '--config.model.mlp_dim=2048',
@@ -107,6 +108,12 @@ def test_search_grid_prunes_by_checks_and_memory():
   assert any('not divisible' in s or 'not a multiple' in s for s in skipped)  # the checks too
   mfus = [round(m, 3) for _, _, m in kept]  # ties: more tokens per chip first
   assert mfus == sorted(mfus, reverse=True) and all(0 < m < 1 for m in mfus)
+  # On the slice's axes (8, 8, 16), tensor=4 or data=2 cannot be laid out: skipped up front.
+  on_slice = search.candidates(cfg, chips, profile, skipped.append, physical=(8, 8, 16))
+  assert on_slice and {l for l, _, _ in on_slice} < {l for l, _, _ in kept}
+  assert all(l.tensor not in (2, 4) and l.data not in (2, 4) for l, _, _ in on_slice)
+  assert any('cannot lay out' in s for s in skipped)
+  assert search.assignable((4, 32, 1), (4, 4, 8)) and not search.assignable((2, 64, 1), (4, 4, 8))
 
 
 def test_search_refuses_a_bad_compile_budget(capsys, monkeypatch):
