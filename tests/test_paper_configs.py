@@ -41,12 +41,13 @@ def test_parameter_count_within_3_percent_of_the_name(name):
 def test_runs_as_a_user_would_on_its_tpu_slice(name):
   cfg = _load(name)
   assert cfg.hardware.name == ('tpu_v5p' if name.startswith('v5p:') else 'tpu_v4')
-  assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.remat, cfg.model.attention) == (
-      'bfloat16', True, 'full', 'splash')
+  assert (cfg.model.dtype, cfg.model.scan_layers, cfg.model.attention) == (
+      'bfloat16', True, 'splash')
+  assert cfg.model.remat in ('full', 'minimal')  # dense_10b keeps projections: its search's pick
   chip, chips = aot.parse_topology(cfg.aot.topology)
   assert chip.name == cfg.hardware.name
   sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)  # raises unless the mesh covers the slice
-  assert sizes['fsdp'][1] > 1 and max(sizes['tensor'][1], sizes['expert'][1]) > 1
+  assert sizes['fsdp'][1] > 1  # tensor may be 1 where the search found FSDP alone faster
   assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0
 
 
