@@ -222,7 +222,7 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
     # The dot's output type is what the compiler's reduce-scatter or all-reduce of partial
     # sums carries: the compute dtype (the MXU still accumulates each shard's products in
     # fp32), as the rings do, unless ring_dtype says float32.
-    wire = dtype if ring_dtype == 'compute' else _acc(dtype)
+    wire = _wire(dtype, ring_dtype == 'float32')
     out = jnp.einsum(decision.equation, lhs, rhs, preferred_element_type=wire).astype(dtype)
   else:
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
@@ -235,6 +235,12 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
 
 def _acc(dtype):
   return jnp.float32 if jnp.dtype(dtype).itemsize < 4 else dtype
+
+
+def _wire(dtype, fp32: bool):
+  """What partial sums of a ``dtype`` einsum travel in: ``dtype`` itself, or at least
+  fp32 under ``ring_dtype='float32'``."""
+  return _acc(dtype) if fp32 else dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,8 +300,7 @@ def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring'):
   if plan.kind in DECOMPOSABLE and form == 'ring':
     out = _ring_einsum(cfg, a, b)
   else:  # e.g. an all-reduce: the compiler's collective, of partial sums in the wire dtype
-    wire = _acc(dtype) if cfg.wire_fp32 else dtype
-    out = jnp.einsum(str(eq), a, b, preferred_element_type=wire)
+    out = jnp.einsum(str(eq), a, b, preferred_element_type=_wire(dtype, cfg.wire_fp32))
   out = jax.lax.with_sharding_constraint(out, NamedSharding(cfg.mesh, cfg.out_spec))
   return out.astype(dtype)
 
@@ -309,7 +314,7 @@ class _Ring:
   split: tuple[int, int]  # ring.ring_split: contributions arriving from each direction
   unroll: int | bool      # ring steps per loop iteration (True: all of them)
   dtype: Any              # the einsum's result dtype
-  wire: Any               # what reduce-scatter accumulators travel in (None: fp32)
+  wire: Any               # what reduce-scatter accumulators travel in
   manual: tuple[str, ...]  # the shard_map's manual axes: the ring's, then ``summed``
   summed: tuple[str, ...]  # axes whose partial sums are reduced after the ring
   scatter: dict           # output dim -> the summed axes it is reduce-scattered over
@@ -350,8 +355,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   # CPU backend aborts on a bf16 psum here ("Invalid binary instruction opcode copy"), so
   # on CPU they are reduced in fp32.
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
-            None if cfg.wire_fp32 else dtype, manual, summed, scatter,
-            _acc(dtype) if cfg.wire_fp32 or on_cpu else dtype)
+            _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
+            _wire(dtype, cfg.wire_fp32 or on_cpu))
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
     return jax.shard_map(functools.partial(_local, r), mesh=cfg.mesh,
@@ -443,7 +448,7 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   block = owner.shape[dim] // r.n
 
   # Partial sums leave the MXU (fp32 inside) in the wire dtype, travel and wait in it.
-  wire = r.wire or _acc(r.dtype)
+  wire = r.wire
 
   def partial(*ks):  # one einsum for the output blocks ks, joined along z
     piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
