@@ -55,7 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1
   # tensor=8 (MaxText's choice for 512B on v5p): each ring step's einsum is twice as wide
   # as at tensor=16 for the same 512-token block, so it hides the block's transfer
-  # (modeled, docs/benchmarks.md: ours 9.84 s per step here, 10.28 s at fsdp=64 x tensor=16)
+  # (modeled faster than fsdp=64 x tensor=16; docs/paper_scale.md)
   c.mesh.fsdp = 128
   c.mesh.tensor = 8
 

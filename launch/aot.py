@@ -101,14 +101,20 @@ VARIANTS = {
 
 def parse_topology(name: str) -> tuple[hardware.HardwareProfile, int]:
   """``'v4:8x8x16'`` or ``'v5e:4x4'`` -> (the chip's hardware profile, number of chips)."""
+  chip, axes = topology_axes(name)
+  chips = math.prod(axes)
+  if chips < 1:
+    raise ConfigError(f'--topology {name!r} has no chips')
+  return chip, chips
+
+
+def topology_axes(name: str) -> tuple[hardware.HardwareProfile, tuple[int, ...]]:
+  """``'v4:8x8x16'`` -> (the chip's hardware profile, the slice's axes ``(8, 8, 16)``)."""
   m = re.fullmatch(r'(\w+):(\d+)x(\d+)(?:x(\d+))?', name or '')
   if not m or m.group(1) not in hardware.TPU_PREFIXES:
     raise ConfigError(f'--topology {name!r} is not of the form <chip>:AxBxC (or AxB) with chip '
                       f'one of {sorted(hardware.TPU_PREFIXES)} (e.g. v4:8x8x16, v5p:8x8x8)')
-  chips = math.prod(int(d) for d in m.groups()[1:] if d)
-  if chips < 1:
-    raise ConfigError(f'--topology {name!r} has no chips')
-  return hardware.TPU_PREFIXES[m.group(1)], chips
+  return hardware.TPU_PREFIXES[m.group(1)], tuple(int(d) for d in m.groups()[1:] if d)
 
 
 def parse_args(argv):
@@ -415,7 +421,8 @@ def main(argv=None) -> int:
       results = compile_variants(args, overrides + extra, cfg_l, topology, chip, variants)
       return None if isinstance(results, int) else summarize(
           cfg_l, args.config, topology, chip, chips, info_l, results)
-    return search.run(args, overrides, cfg, topology, chip, chips, variants, compile_layout)
+    return search.run(args, overrides, cfg, topology, chip, topology_axes(topology)[1],
+                      variants, compile_layout)
   results = compile_variants(args, overrides, cfg, topology, chip, variants)
   if isinstance(results, int):
     return results

@@ -156,13 +156,14 @@ def candidates(cfg, chips: int, profile, progress=print,
   return sorted(kept, key=lambda c: (-round(c[2], 3), -c[0].batch_size / c[0].data))
 
 
-def run(args, overrides, cfg, topology: str, profile, chips: int, variants: list[str],
-        compile_layout) -> int:
-  """The search: prune, compile the best ``args.max_compiles``, print the table."""
+def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
+        variants: list[str], compile_layout) -> int:
+  """The search on the slice of axes ``physical``: prune, compile the best
+  ``args.max_compiles``, print the table."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
+  chips = math.prod(physical)
   progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
-  kept = candidates(cfg, chips, profile, progress,
-                   physical=[int(d) for d in topology.split(':')[1].split('x')])
+  kept = candidates(cfg, chips, profile, progress, physical=physical)
   chosen = kept[:args.max_compiles]
   progress(f'{len(kept)} pass the checks and the memory estimate; compiling the best '
            f'{len(chosen)} by analytical MFU, {len(variants)} variant(s) each')
