@@ -50,6 +50,16 @@ class Decision:
   # einsum decomposed over the same axis) or 'none' (one einsum over an operand the
   # compiler gathers once: auto's choice where the ring's steps would be HBM-bound).
   backward: tuple[str, str] = ('ring', 'ring')
+  # (axis, mode) of a gradient's ring where it is not the forward's ``axis``: a weight
+  # gradient whose compiler reduce-scatter over ``fsdp`` would cost more than its
+  # collective over ``axis`` rings over ``fsdp`` (``_backward_forms``).
+  backward_over: tuple[tuple[str, str] | None, tuple[str, str] | None] = (None, None)
+
+  def gradient(self, which: int) -> str:
+    """How gradient ``which`` (0: lhs, 1: rhs) runs: 'ring', 'MODE over AXIS' or 'none'."""
+    other = self.backward_over[which]
+    return f'{other[1]} over {other[0]}' if other and self.backward[which] == 'ring' else \
+        self.backward[which]
 
 
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
@@ -68,15 +78,13 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   # An axis of size 1 needs no collective whatever the specs say.
   needs = [p for p in plans if p.kind != 'pass' and mesh.shape[p.axis] > 1]
   specs = f'lhs {lhs_spec}, rhs {rhs_spec}, out {out_spec}'
-  problems = {p.axis: _problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec,
-                               mesh.shape[p.axis]) for p in needs}
+  shapes, all_specs = (lhs_shape, rhs_shape), (lhs_spec, rhs_spec, out_spec)
+  problems = {p.axis: _problem(eq, p, shapes, all_specs, mesh) for p in needs}
   ok = [p for p in needs if not problems[p.axis]]
-  chosen = (_choose_axis(eq, ok, lhs_shape, rhs_shape, dtype, mesh, hardware, wire_fp32)
-            if ok else None)
-  estimate = chosen and cost_model.estimate(
-      eq, chosen, lhs_shape, rhs_shape, dtype, mesh, hardware or cost_model.DEFAULT_HARDWARE,
-      wire_fp32=wire_fp32, local=local_elements(eq, chosen.axis, lhs_shape, rhs_shape,
-                                                (lhs_spec, rhs_spec, out_spec), mesh))
+  chosen = _choose_axis(eq, ok, shapes, all_specs, dtype, mesh, hardware, wire_fp32) if ok \
+      else None
+  estimate = chosen and _estimate(eq, chosen, shapes, all_specs, dtype, mesh,
+                                  hardware or cost_model.DEFAULT_HARDWARE, wire_fp32)
   others = tuple(p.axis for p in needs if p is not chosen)
   if mode == 'none':
     return Decision(str(eq), 'none', None, chosen and chosen.kind, others, estimate,
@@ -86,27 +94,40 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     if mode != 'auto':
       raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
     return Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}')
-  backward = ('ring', 'ring')
+  backward, backward_over = ('ring', 'ring'), (None, None)
   if mode == 'auto':
     choice = estimate.best
     reason = f'cost model ({estimate.hardware}) picks {choice}' + (
         ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
     if choice != 'none':
-      backward = _backward_forms(eq, chosen.axis, choice, (lhs_shape, rhs_shape),
-                                 (lhs_spec, rhs_spec, out_spec), dtype, mesh, hardware, wire_fp32)
-      if 'none' in backward:
-        reason += '; gradient of ' + ' and '.join(
-            w for w, f in zip(('lhs', 'rhs'), backward) if f == 'none') + \
-            ' as one einsum (its ring would be slower)'
+      rings = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
+                              hardware, wire_fp32)
+      backward = tuple('none' if r is None else 'ring' for r in rings)
+      backward_over = tuple(None if r is None or r[0] == chosen.axis else r for r in rings)
+      for which, r in zip(('lhs', 'rhs'), rings):
+        if r is None:
+          reason += f'; gradient of {which} as one einsum (its ring would be slower)'
+        elif r[0] != chosen.axis:
+          reason += (f'; gradient of {which} {r[1]} over {r[0]} (its collective there '
+                     'costs more)')
   else:
     choice, reason = mode, f'mode="{mode}"'
   return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,
-                  others, estimate, reason, backward)
+                  others, estimate, reason, backward, backward_over)
 
 
 def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, mesh, hardware,
-                    wire_fp32) -> tuple[str, str]:
-  """'ring' or 'none' for the gradient einsums of lhs and rhs, by the cost model."""
+                    wire_fp32) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+  """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum.
+
+  The candidates are the forward's ``axis`` and any other axis over which the gradient
+  einsum reduce-scatters (a weight gradient over ``fsdp``): the compiler's
+  reduce-scatters block the chip under the TPU flags (its all-gathers of weights are
+  asynchronous and prefetched, so rings are not offered for those). The cost model
+  picks the ring that saves most over the plain einsum, where one saves anything:
+  over ``axis`` in the forward's ``mode``, over another axis in its own best mode.
+  The collectives over the other axes stay the compiler's.
+  """
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
   out_shape = tuple(sizes[l] for l in eq.out)
   lhs_spec, rhs_spec, out_spec = specs
@@ -114,27 +135,47 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
                         (out_shape, shapes[1])),
                 'rhs': (f'{eq.lhs},{eq.out}->{eq.rhs}', (lhs_spec, out_spec, rhs_spec),
                         (shapes[0], out_shape))}
-  forms = []
-  for equation, (a, b, o), (sa, sb) in transposed.values():
-    t_eq, plans = einsum_plan.plan(equation, a, b, o)
+  rings = []
+  for equation, t_specs, t_shapes in transposed.values():
+    t_eq, plans = einsum_plan.plan(equation, *t_specs)
     plan = next((p for p in plans if p.axis == axis), None)
     if plan is None or plan.kind not in DECOMPOSABLE:
-      forms.append('ring')  # the compiler's collective either way (_transpose_einsum)
+      rings.append((axis, mode))  # the compiler's collective either way (_transpose_einsum)
       continue
-    est = cost_model.estimate(t_eq, plan, sa, sb, dtype, mesh, hardware, wire_fp32=wire_fp32,
-                              local=local_elements(t_eq, axis, sa, sb, (a, b, o), mesh))
-    forms.append('ring' if est.seconds[mode] <= est.seconds['none'] else 'none')
-  return tuple(forms)
+    others = [p for p in plans if p.kind == 'reducescatter' and p.axis != axis and
+              mesh.shape[p.axis] > 1 and
+              not _problem(t_eq, p, t_shapes, t_specs, mesh, alone=False)]
+    saving = {}
+    for p in [plan] + others:
+      est = _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, wire_fp32)
+      for m in ((mode,) if p is plan else ('unidirectional', 'bidirectional')):
+        saving[p.axis, m] = _saving(est, m)
+    best = max(saving, key=lambda r: (saving[r], r[0] == axis))  # ties: the forward's ring
+    rings.append(best if saving[best] >= 0 else None)
+  return tuple(rings)
 
 
-def _choose_axis(eq, candidates, lhs_shape, rhs_shape, dtype, mesh, hardware,
+def _saving(est: cost_model.Estimate, mode: str) -> float:
+  """Modeled seconds a ring in ``mode`` saves over the plain einsum (negative: it costs)."""
+  return est.seconds['none'] - est.seconds[mode]
+
+
+def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,
+              wire_fp32) -> cost_model.Estimate:
+  """The cost model's estimate for a ring over ``plan.axis``, operands as a device holds
+  them in that ring."""
+  return cost_model.estimate(eq, plan, *shapes, dtype, mesh, hardware, wire_fp32=wire_fp32,
+                             local=local_elements(eq, plan.axis, *shapes, specs, mesh))
+
+
+def _choose_axis(eq, candidates, shapes, specs, dtype, mesh, hardware,
                  wire_fp32) -> AxisPlan:
   """The axis whose collective costs most; ``tensor`` when there is no model."""
   if len(candidates) == 1 or hardware is None:
     named = [p for p in candidates if p.axis == 'tensor']
     return (named or candidates)[0]
-  cost = lambda p: cost_model.estimate(eq, p, lhs_shape, rhs_shape, dtype, mesh,
-                                       hardware, wire_fp32=wire_fp32).comm_seconds
+  cost = lambda p: cost_model.estimate(eq, p, *shapes, dtype, mesh, hardware,
+                                       wire_fp32=wire_fp32).comm_seconds
   return max(candidates, key=cost)
 
 
@@ -158,18 +199,25 @@ def local_elements(eq: Equation, axis: str, lhs_shape, rhs_shape, specs, mesh):
   return count(eq.lhs, lhs_spec), count(eq.rhs, rhs_spec), count(eq.out, out_spec, summed)
 
 
-def _problem(eq, p, lhs_shape, rhs_shape, lhs_spec, rhs_spec, out_spec, n) -> str:
-  """Why this axis cannot be decomposed, or ''."""
+def _problem(eq, p, shapes, specs, mesh, alone: bool = True) -> str:
+  """Why this axis cannot be decomposed, or ''.
+
+  ``alone``: the axis must shard each of its dims alone (the forward's rule); else
+  other axes of size 1 on its dims are ignored (a weight gradient's ring over
+  ``fsdp`` where the batch is over ``(data, fsdp)`` and ``data`` is 1).
+  """
   if p.kind not in DECOMPOSABLE:
     return p.reason
-  shapes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
-  for letters, spec in ((eq.lhs, lhs_spec), (eq.rhs, rhs_spec), (eq.out, out_spec)):
+  n = mesh.shape[p.axis]
+  sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
+  for letters, spec in zip((eq.lhs, eq.rhs, eq.out), specs):
     for axes in einsum_plan.letter_axes(letters, spec).values():
-      if p.axis in axes and len(axes) > 1:
+      shared = [a for a in axes if a != p.axis and (alone or mesh.shape[a] > 1)]
+      if p.axis in axes and shared:
         return f'{p.axis} shares a dimension with other mesh axes {axes}'
   for letter in filter(None, (p.letter, p.out_letter)):
-    if shapes[letter] % n:
-      return f'dimension {letter}={shapes[letter]} is not divisible by {p.axis}={n}'
+    if sizes[letter] % n:
+      return f'dimension {letter}={sizes[letter]} is not divisible by {p.axis}={n}'
   return ''
 
 
@@ -228,7 +276,7 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
                   decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
-                  decision.backward)
+                  decision.backward, decision.backward_over)
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 
@@ -255,10 +303,14 @@ class _Static:
   unroll: int
   wire_fp32: bool = False  # partial sums (accumulators, reductions) travel in fp32
   backward: tuple[str, str] = ('ring', 'ring')  # Decision.backward
+  backward_over: tuple = (None, None)  # Decision.backward_over
 
   def transposed(self, which: str) -> '_Static':
-    """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs')."""
+    """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs'), over the
+    axis its ring runs on."""
     eq = Equation.parse(self.equation)
+    axis, mode = self.backward_over[0 if which == 'lhs' else 1] or (
+        self.axis, 'bidirectional' if self.bidirectional else 'unidirectional')
     if which == 'lhs':
       equation, specs = f'{eq.out},{eq.rhs}->{eq.lhs}', (self.out_spec, self.rhs_spec,
                                                            self.lhs_spec)
@@ -266,7 +318,8 @@ class _Static:
       equation, specs = f'{eq.lhs},{eq.out}->{eq.rhs}', (self.lhs_spec, self.out_spec,
                                                            self.rhs_spec)
     return dataclasses.replace(self, equation=equation, lhs_spec=specs[0],
-                               rhs_spec=specs[1], out_spec=specs[2])
+                               rhs_spec=specs[1], out_spec=specs[2], axis=axis,
+                               bidirectional=mode == 'bidirectional')
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

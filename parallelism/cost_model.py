@@ -34,7 +34,8 @@ Predicted times (all modeled, not measured):
   per-step latency.
 * ``bidirectional``: ``R = ceil((N-1)/2)`` rounds, each computing two blocks
   while both link directions carry one block each:
-  ``c + R (max(2c, t) + latency)``; without async transfers
+  ``c + R (max(c2, t) + latency)``, ``c2`` the round's one einsum over both blocks
+  (FLOPs 2F/N; the operand that stays is read once); without async transfers
   ``T_comp + T_comm + R latency``.
 
 So decomposition pays only when per-step compute hides per-step transfer, and
@@ -100,7 +101,8 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
                   for letters in (eq.lhs, eq.rhs, eq.out))
   # partial sums travel in the compute dtype, or fp32 (parallelism.ring_dtype)
   wire = max(itemsize, 4) if wire_fp32 else itemsize
-  plain_bytes, step_bytes = _hbm_bytes(eq, plan, dict(zip('lro', local)), n, itemsize, wire)
+  plain_bytes, step_bytes, pair_bytes = _hbm_bytes(eq, plan, dict(zip('lro', local)), n,
+                                                   itemsize, wire)
   if plan.kind == 'reducescatter':
     block = local[2] * wire
   else:
@@ -108,6 +110,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   hbm = profile.hbm_bandwidth or math.inf
   t_comp = max(flops / peak, plain_bytes / hbm)
   c = max(flops / n / peak, step_bytes / hbm)
+  c2 = max(2 * flops / n / peak, pair_bytes / hbm)  # a bidirectional round: one einsum
   link = profile.link_bandwidth * step_model.LINK_EFFICIENCY
   t = block / (link * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
@@ -115,7 +118,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   t_comm = step_model.ring_collective_seconds(n * block, [n], link, profile.ring_links, lat)
   if profile.async_collectives:
     uni = c + (n - 1) * (max(c, t) + lat)
-    bi = c + rounds * (max(2 * c, t) + lat)
+    bi = c + rounds * (max(c2, t) + lat)
   else:
     uni = t_comp + (n - 1) * (t + lat)
     bi = t_comp + t_comm + rounds * lat
@@ -125,8 +128,10 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
 
 
 def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
-               wire: int) -> tuple[float, float]:
-  """(bytes the plain einsum reads and writes, bytes one ring step does), per device.
+               wire: int) -> tuple[float, float, float]:
+  """Bytes read and written per device by the plain einsum, by one ring step, and by
+  one bidirectional round (two blocks through one einsum, ``ring.py``: the operand
+  that does not travel is read once, an accumulator read and written once).
 
   ``local``: the elements of each operand's block on one device ('l', 'r', 'o');
   ``n`` the ring's size; ``wire`` the bytes of a partial sum's element.
@@ -136,12 +141,15 @@ def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
   if plan.kind == 'reducescatter':  # the unreduced output, then its reduce-scatter
     owner, other = (lhs, rhs) if plan.out_letter in eq.lhs else (rhs, lhs)
     plain = itemsize * (lhs + rhs) + wire * n * out
-    # a slice of the owner and the other operand; a partial sum written, then it and
+    # slices of the owner and the other operand; a partial sum written, then it and
     # the arriving accumulator read, added (in fp32) and written, all in the wire dtype
-    return plain, itemsize * (owner / n + other) + 4 * wire * out
+    step = lambda k: itemsize * (k * owner / n + other) + k * 4 * wire * out
+    return plain, step(1), step(2)
   g, o = (lhs, rhs) if plan.gathered == 'lhs' else (rhs, lhs)
   plain = itemsize * (n * g + o + out)  # the gathered operand, whole
-  if plan.kind == 'allgather_free':  # a block, the other operand, a part of the output
-    return plain, itemsize * (g + o + out / n)
-  # allgather_contracting: a block and a slice of the other, the accumulator read and written
-  return plain, itemsize * (g + o / n) + 2 * acc * out
+  if plan.kind == 'allgather_free':  # blocks, the other operand, parts of the output
+    step = lambda k: itemsize * (k * g + o + k * out / n)
+    return plain, step(1), step(2)
+  # allgather_contracting: blocks and slices of the other, the accumulator read and written
+  step = lambda k: itemsize * k * (g + o / n) + 2 * acc * out
+  return plain, step(1), step(2)

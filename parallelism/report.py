@@ -40,7 +40,8 @@ def rows(plan: Mapping[str, Any]) -> list[dict]:
         'modeled_step_compute_us': est and round(est.step_compute_seconds * 1e6, 3),
         'modeled_step_transfer_us': est and round(est.step_transfer_seconds * 1e6, 3),
         'modeled_step_memory_bound': est and est.step_memory_bound,
-        'gradients': dict(zip(('lhs', 'rhs'), d.backward)) if d.mode != 'none' else None,
+        'gradients': {w: d.gradient(k) for k, w in enumerate(('lhs', 'rhs'))}
+                      if d.mode != 'none' else None,
         'modeled_seconds': est and est.seconds,
     })
   return out

@@ -215,6 +215,7 @@ class _Costs:
     self.shapes = {c: {i.name: i.shape for i in ins} for c, ins in module.computations.items()}
     self._flops: dict[str, float] = {}
     self._roles: dict[str, str | None] = {}
+    self._user_maps: dict[str, dict[str, list[Instr]]] = {}
     # Channels of the async collective fusions: the start, its continuations
     # (possibly inside nested loops) and the done all run a collective of one channel.
     self.async_channels = {channel(self.collective_in(i)) for comp in module.computations.values()
@@ -283,13 +284,11 @@ class _Costs:
     return sum(operand(i) for i in range(len(ins.operands))) + shape_bytes(ins.shape)
 
   def _fusion_bytes(self, ins: Instr, comp: str) -> float:
-    fused = self.m.computations.get(ins.attr('calls'), [])
+    callee = ins.attr('calls')
+    fused = self.m.computations.get(callee, [])
     by_name = {i.name: i for i in fused}
     params = {int(i.literal): i for i in fused if i.opcode == 'parameter'}
-    users: dict[str, list[Instr]] = {}
-    for i in fused:
-      for o in i.operands:
-        users.setdefault(o, []).append(i)
+    users = self._users(callee)
     written, in_place = 0.0, set()
     root = next((i for i in fused if i.root), None)
     outs = [by_name[o] for o in root.operands] if root and root.opcode == 'tuple' else [root]
@@ -315,12 +314,45 @@ class _Costs:
       if p.name in in_place or (uses and all(
           u.opcode in ('tuple', 'custom-call') or _is_collective(u) for u in uses)):
         continue
-      if uses and all(u.opcode in ('dynamic-slice', 'slice', 'gather') and
-                      u.operands[0] == p.name for u in uses):
-        read += sum(shape_bytes(u.shape) for u in uses)
-      else:
-        read += shape_bytes(p.shape)
+      sliced = self._sliced_bytes(callee, p.name)
+      read += shape_bytes(p.shape) if sliced is None else sliced
     return read + written
+
+  def _users(self, comp: str) -> dict[str, list[Instr]]:
+    if comp not in self._user_maps:
+      users: dict[str, list[Instr]] = {}
+      for i in self.m.computations.get(comp, []):
+        for o in i.operands:
+          users.setdefault(o, []).append(i)
+      self._user_maps[comp] = users
+    return self._user_maps[comp]
+
+  def _sliced_bytes(self, comp: str, name: str) -> float | None:
+    """Bytes of ``name`` (in fused computation ``comp``) that are read when every use
+    only slices it, directly, through bitcasts or through nested fusions (a ring step's
+    block of a weight gradient's operand); None when a use reads it whole."""
+    uses = self._users(comp).get(name, [])
+    if not uses:
+      return None
+    total = 0.0
+    for u in uses:
+      if u.opcode in ('dynamic-slice', 'slice', 'gather') and u.operands[0] == name and \
+          u.operands.count(name) == 1:
+        inner = shape_bytes(u.shape)
+      elif u.opcode == 'bitcast':
+        inner = self._sliced_bytes(comp, u.name)
+      elif u.opcode == 'fusion' and u.operands.count(name) == 1:
+        callee = u.attr('calls')
+        k = u.operands.index(name)
+        param = next((i for i in self.m.computations.get(callee, [])
+                      if i.opcode == 'parameter' and i.literal == str(k)), None)
+        inner = param and self._sliced_bytes(callee, param.name)
+      else:
+        inner = None
+      if inner is None:
+        return None
+      total += inner
+    return total
 
   def collective_in(self, ins: Instr) -> Instr | None:
     """The collective a fusion or async wrapper runs, if any."""

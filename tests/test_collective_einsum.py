@@ -326,10 +326,10 @@ def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
 
 def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   # All-gather over a contracted dim: every step reads and writes the fp32
-  # accumulator [b, f/8]; with d/8 = 512 contracted per step that traffic
-  # outlasts the step's matmul on v4 (1.2 TB/s against 275 TFLOP/s), so the ring
-  # loses to the plain einsum, which stays MXU-bound; contracting 8192 per step
-  # it is MXU-bound and wins.
+  # accumulator [b, f/8]; with d/8 = 256 contracted per step (512 per bidirectional
+  # round, whose one einsum reads and writes it once) that traffic outlasts the
+  # matmul on v4 (1.2 TB/s against 275 TFLOP/s), so the ring loses to the plain
+  # einsum, which stays MXU-bound; contracting 8192 per step it is MXU-bound and wins.
   mesh = _mesh(8, 1)
   specs = dict(lhs_spec=P(None, T), rhs_spec=P(None, T), out_spec=P(None, T))
   eq, plans = einsum_plan.plan('bd,df->bf', *specs.values())
@@ -337,15 +337,15 @@ def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   assert plan.kind == 'allgather_contracting'
   b, f = 8192, 65536
   est = lambda d: cost_model.estimate(eq, plan, (b, d), (d, f), 'bfloat16', mesh, 'tpu_v4')
-  shallow, deep = est(4096), est(65536)
+  shallow, deep = est(2048), est(65536)
   assert shallow.step_memory_bound and not deep.step_memory_bound
   # per step: an x block and a w slice in bf16, the accumulator [b, f/8] read and written
-  step_bytes = 2 * (b * 4096 / 8 + 4096 * f / 64) + 2 * 4 * b * f / 8
+  step_bytes = 2 * (b * 2048 / 8 + 2048 * f / 64) + 2 * 4 * b * f / 8
   assert shallow.step_compute_seconds == pytest.approx(step_bytes / 1.2e12)
-  assert shallow.step_compute_seconds > 1.5 * (2 * b * 4096 * f / 64 / 275e12)  # its FLOPs
+  assert shallow.step_compute_seconds > 1.5 * (2 * b * 2048 * f / 64 / 275e12)  # its FLOPs
   pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
                            hardware='tpu_v4').mode
-  assert pick(4096) == 'none' and pick(65536) != 'none'
+  assert pick(2048) == 'none' and pick(65536) != 'none'
 
 
 def test_cost_model_counts_a_weight_gradient_accumulator_whole_over_summed_axes():
@@ -412,3 +412,57 @@ def test_weight_gradient_is_one_einsum_where_its_ring_would_be_memory_bound():
   permutes = lambda fn: _executed(
       jax.jit(jax.grad(loss(fn), argnums=(0, 1))).lower(lhs, rhs).compile().as_text())
   assert permutes(f) == permutes(ring) - 7  # the weight gradient's ring is gone
+
+
+F = 'fsdp'
+B = (D, F)  # the batch over (data, fsdp), data of size 1: the paper configs' layout
+DOWN = ('btf,fd->btd', P(B, None, T), P(T, F), P(B, T, None))  # mlp.down, tensor-parallel
+
+
+def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
+  # 500B's mlp.down on v4 (fsdp=128 x tensor=8): the weight gradient's partial sums over
+  # the batch leave as a compiler reduce-scatter over fsdp, which blocks the chip (3.7 ms
+  # a layer, modeled); a bidirectional ring over fsdp computes one 2 x 160-row block of
+  # the gradient per round while the last round's accumulators travel. The forward keeps
+  # its ring over tensor, and so does the data gradient.
+  mesh = jax.sharding.AbstractMesh((1, 128, 8), (D, F, T))
+  eq, ls, rs, os_ = DOWN
+  d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
+              rhs_spec=rs, out_spec=os_, hardware='tpu_v4')
+  assert d.axis == T and d.collective == 'reducescatter', d
+  assert d.backward == ('ring', 'ring') and d.backward_over == (None, (F, 'bidirectional'))
+  assert d.gradient(1) == 'bidirectional over fsdp' and 'rhs bidirectional over fsdp' in d.reason
+  # Where data shards the batch too (data=2), fsdp does not shard it alone: no such ring.
+  mesh = jax.sharding.AbstractMesh((2, 64, 8), (D, F, T))
+  d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
+              rhs_spec=rs, out_spec=os_, hardware='tpu_v4')
+  assert d.backward_over == (None, None), d
+
+
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+def test_weight_gradient_ring_over_fsdp_matches_einsum(mode):
+  # Values and both gradients with the weight gradient's ring over fsdp (4 devices) and
+  # the forward's and data gradient's over tensor (2), against plain einsums.
+  mesh = _mesh(2, data=1)
+  eq, ls, rs, os_ = DOWN
+  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 8))
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='bidirectional')
+  d = dataclasses.replace(d, backward_over=(None, (F, mode)))
+  f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
+  loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights((8, 4, 8)))
+  grad = jax.jit(jax.grad(loss(f), argnums=(0, 1)))
+  want = jax.grad(loss(lambda x, w: jnp.einsum(eq, x, w)), argnums=(0, 1))(x, w)
+  for a, b in zip(grad(x, w), want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  # The gradient's partial sums travel the fsdp ring (3 permutes on a ring of 4) instead
+  # of a reduce-scatter or all-reduce over fsdp after the einsum.
+  ring = lambda x, w: run_decision(dataclasses.replace(d, backward_over=(None, None)), x, w,
+                                   mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
+  for fn, permutes, reduced in ((f, 3, False), (ring, 0, True)):
+    module = hlo_text.parse(jax.jit(jax.grad(loss(fn), argnums=(0, 1))).lower(x, w)
+                            .compile().as_text())
+    assert sum(o != 0 for o in hlo_text.permute_offsets(module, mesh, F)) == permutes
+    over = hlo_text.collectives_over(module, mesh, F)
+    assert any(re.match(r'(reduce.scatter|all.reduce)', n) for n in over) == reduced, over

@@ -284,3 +284,42 @@ def test_splash_kernels_with_a_batch_of_one():
   unbatched = unbatched.replace('{3,2,1,0}', '{2,1,0}')
   assert step_model.analyze(unbatched, CHIP).flops == pytest.approx(
       step_model.analyze(SPLASH, CHIP).flops / 2)
+
+
+def test_a_fusion_reads_only_the_block_a_nested_fusion_slices():
+  # A ring step's einsum: the compiler slices the block out of the whole operand inside a
+  # nested loop fusion; the step reads the block (64 x 32 bf16), not the operand.
+  text = """HloModule nested, is_scheduled=true, num_partitions=1
+
+%slice_block (a: bf16[64,128], i: s32[]) -> bf16[64,32] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %block = bf16[64,32]{1,0} dynamic-slice(%a, %zero, %i), dynamic_slice_sizes={64,32}
+}
+
+%step (p0: bf16[64,128], p1: s32[], p2: bf16[32,256]) -> bf16[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[32,256]{1,0} parameter(2)
+  %blk = bf16[64,32]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%slice_block
+  ROOT %dot.1 = bf16[64,256]{1,0} dot(%blk, %p2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[64,128], i: s32[], w: bf16[32,256]) -> bf16[64,256] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %w = bf16[32,256]{1,0} parameter(2)
+  ROOT %y = bf16[64,256]{1,0} fusion(%x, %i, %w), kind=kOutput, calls=%step
+}
+"""
+  module = hlo_text.parse(text)
+  costs = step_model._Costs(module)  # pylint: disable=protected-access
+  [y] = [i for i in module.computations[module.entry] if i.name == 'y']
+  block, w, out = 64 * 32 * 2, 32 * 256 * 2, 64 * 256 * 2
+  assert costs.instr_bytes(y, module.entry) == block + 4 + w + out
+  # Read whole where a use takes all of it (here the block and an add of the operand).
+  whole = text.replace('ROOT %dot.1', '%sum = bf16[64,128]{1,0} add(%p0, %p0)\n  ROOT %dot.1')
+  module = hlo_text.parse(whole)
+  [y] = [i for i in module.computations[module.entry] if i.name == 'y']
+  assert step_model._Costs(module).instr_bytes(y, module.entry) == 64 * 128 * 2 + 4 + w + out
