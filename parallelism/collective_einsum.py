@@ -372,7 +372,6 @@ class _Ring:
   summed: tuple[str, ...]  # axes whose partial sums are reduced after the ring
   scatter: dict           # output dim -> the summed axes it is reduce-scattered over
   reduce_dtype: Any       # what the reduction over ``summed`` carries
-  halves: str | None = None  # reduce-scatter: the letter its two accumulator chains split
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs):
@@ -410,36 +409,13 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   # on CPU they are reduced in fp32.
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
-            _wire(dtype, cfg.wire_fp32 or on_cpu),
-            _halves_letter(eq, plan, (lhs_spec, rhs_spec), (lhs.shape, rhs.shape)))
+            _wire(dtype, cfg.wire_fp32 or on_cpu))
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{eq}'):
     return jax.shard_map(functools.partial(_local, r), mesh=cfg.mesh,
                          in_specs=(PartitionSpec(cfg.axis), keep(lhs_spec), keep(rhs_spec)),
                          out_specs=out_spec, axis_names=set(manual))(
                              ring.ring_positions(n), lhs, rhs)
-
-
-def _halves_letter(eq: Equation, plan: AxisPlan, specs, shapes) -> str | None:
-  """The output letter a reduce-scatter ring splits its accumulators along
-  (``ring._two_chains``), or None for one chain.
-
-  A letter of the operand that stays (so each half's einsum reads half of it), not
-  sharded over any mesh axis (a half is then local to every device), of even size;
-  as the output's last (minor) dimension, only where a half is a whole number of
-  128-wide lanes. The largest such.
-  """
-  if plan.kind != 'reducescatter':
-    return None
-  on_lhs = plan.out_letter in eq.lhs
-  letters, spec, shape = ((eq.rhs, specs[1], shapes[1]) if on_lhs else
-                          (eq.lhs, specs[0], shapes[0]))
-  owner = eq.lhs if on_lhs else eq.rhs
-  axes = einsum_plan.letter_axes(letters, spec)
-  size = dict(zip(letters, shape))
-  fits = [l for l in eq.out if l in letters and l not in owner and not axes[l] and
-          size[l] % (256 if l == eq.out[-1] else 2) == 0]
-  return max(fits, key=size.get) if fits else None
 
 
 def _summed_axes(eq: Equation, axis: str, lhs_spec, rhs_spec) -> tuple[str, ...]:
@@ -527,23 +503,14 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   # Partial sums leave the MXU (fp32 inside) in the wire dtype, travel and wait in it.
   wire = r.wire
 
-  other = rhs if on_lhs else lhs
-  if r.halves:  # the stayed operand's dim split in two halves (ring._two_chains)
-    h_dim = (eq.rhs if on_lhs else eq.lhs).index(r.halves)
-    half_size = other.shape[h_dim] // 2
-
-  def partial(*ks, half=None):  # one einsum for the output blocks ks, joined along z
+  def partial(*ks):  # one einsum for the output blocks ks, joined along z
     piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
                              for k in ks], axis=dim)
-    stays = other if half is None else jax.lax.slice_in_dim(
-        other, half * half_size, (half + 1) * half_size, axis=h_dim)
-    args = (piece, stays) if on_lhs else (stays, piece)
+    args = (piece, rhs) if on_lhs else (lhs, piece)
     return jnp.einsum(str(eq), *args, preferred_element_type=wire)
 
-  return ring.reduce_scatter_einsum(
-      partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split, unroll=r.unroll,
-      pair_axis=eq.out.index(z),
-      halves=eq.out.index(r.halves) if r.halves else None).astype(r.dtype)
+  return ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
+                                    unroll=r.unroll, pair_axis=eq.out.index(z)).astype(r.dtype)
 
 
 def _all_gather_local(r: _Ring, idx, lhs, rhs):

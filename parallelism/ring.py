@@ -14,7 +14,6 @@ an asynchronous backend overlaps the two; only the first (all-gather) or last
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -106,7 +105,7 @@ def _unfused(x: jax.Array) -> jax.Array:
 
 def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
                           split: tuple[int, int], unroll: int = 1,
-                          pair_axis: int | None = None, halves: int | None = None) -> jax.Array:
+                          pair_axis: int | None = None) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k)`` is this device's contribution to output block k. Accumulators
@@ -118,15 +117,7 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   computes two contributions: with ``pair_axis``, ``partial(k1, k2)`` gives both
   from one einsum, concatenated along that dimension, else ``partial`` runs
   twice.
-
-  With ``halves`` (an output dimension), the output is computed as two halves along
-  it that travel as two interleaved accumulator chains (``_two_chains``):
-  ``partial(*ks, half=h)`` gives half ``h``.
   """
-  if halves is not None and n > 1:
-    return _two_chains(partial, axis=axis, n=n, idx=idx, split=split, unroll=unroll,
-                       pair_axis=pair_axis, halves=halves)
-
   def partial_pair(k1, k2, barrier=lambda x: x):
     if pair_axis is None:
       return barrier((partial(k1), partial(k2)))
@@ -159,59 +150,6 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   if n_left:
     last.append(recv_from(acc_l, axis, n, +1))
   return _sum(*last)
-
-
-def _two_chains(partial: Callable, *, axis: str, n: int, idx: jax.Array,
-                split: tuple[int, int], unroll, pair_axis, halves: int) -> jax.Array:
-  """The reduce-scatter ring with each accumulator split in two halves along output
-  dimension ``halves``, sent one after the other.
-
-  Each step computes half 0 then half 1; each half's einsum takes the addition of the
-  accumulator that just arrived (the compiler fuses it into the einsum's output, so
-  the partial sum is never written and read back), and its result leaves at once: half
-  0's transfer runs during half 1's einsum and half 1's during the next step's half 0.
-  A transfer is hidden when half a step's einsum outlasts half a block's transfer, the
-  same condition as the single chain's. A bidirectional step computes each half for
-  both directions with one einsum (``pair_axis``).
-  """
-  n_right, n_left = split
-  at = lambda s: (idx + s) % n
-
-  def mine(s, h, both):  # contributions at step s to half h: (right, left) or (right,)
-    if both:
-      if pair_axis is None:
-        return partial(at(n_right - s), half=h), partial(at(s - n_left), half=h)
-      return tuple(jnp.split(partial(at(n_right - s), at(s - n_left), half=h), 2,
-                             axis=pair_axis))
-    return (partial(at(n_right - s), half=h),)
-
-  def send(accs):  # the right chain moves right, the left one left
-    return tuple(recv_from(a, axis, n, -1 if i == 0 else +1) for i, a in enumerate(accs))
-
-  def add(incoming, own):
-    return tuple(_sum(a, b) for a, b in zip(incoming, own))
-
-  def step(both, s, carry):  # carry: half 0 received, half 1 computed and not yet sent
-    in0, own1 = carry
-    in1 = send(own1)
-    own0 = add(in0, mine(s, 0, both))
-    return send(own0), add(in1, mine(s, 1, both))
-
-  in0, own1 = send(mine(0, 0, n_left > 0)), mine(0, 1, n_left > 0)
-  held = [(), ()]  # left accumulators that reached their owner before the last step
-  start = max(n_left, 1)
-  if n_left:  # both directions
-    in0, own1 = _loop(1, n_left, functools.partial(step, True), (in0, own1), unroll)
-  if 1 <= n_left < n_right:  # the left chains end at step n_left: keep what they bring
-    in1 = send(own1)
-    held[0], own0 = in0[1:], add(in0[:1], mine(n_left, 0, False))
-    in0 = send(own0)
-    held[1], own1 = in1[1:], add(in1[:1], mine(n_left, 1, False))
-    start = n_left + 1
-  in0, own1 = _loop(start, n_right, functools.partial(step, False), (in0, own1), unroll)
-  incoming = (in0, send(own1))
-  halves_out = [_sum(*incoming[h], *held[h], partial(idx, half=h)) for h in (0, 1)]
-  return jnp.concatenate(halves_out, axis=halves)
 
 
 def _sum(*xs: jax.Array) -> jax.Array:
