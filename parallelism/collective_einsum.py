@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import cost_model, einsum_plan, ring
+from parallelism import hardware as hw
 from parallelism.einsum_plan import AxisPlan, Equation
 
 MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
@@ -108,8 +109,8 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
         if r is None:
           reason += f'; gradient of {which} as one einsum (its ring would be slower)'
         elif r[0] != chosen.axis:
-          reason += (f'; gradient of {which} {r[1]} over {r[0]} (its collective there '
-                     'costs more)')
+          reason += (f'; gradient of {which} {r[1]} over {r[0]} (the compiler\'s '
+                     f'reduce-scatter over {r[0]} would block)')
   else:
     choice, reason = mode, f'mode="{mode}"'
   return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,
@@ -120,14 +121,18 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
                     wire_fp32) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum.
 
-  The candidates are the forward's ``axis`` and any other axis over which the gradient
-  einsum reduce-scatters (a weight gradient over ``fsdp``): the compiler's
-  reduce-scatters block the chip under the TPU flags (its all-gathers of weights are
-  asynchronous and prefetched, so rings are not offered for those). The cost model
-  picks the ring that saves most over the plain einsum, where one saves anything:
-  over ``axis`` in the forward's ``mode``, over another axis in its own best mode.
-  The collectives over the other axes stay the compiler's.
+  The candidates are one einsum, the ring over the forward's ``axis`` (in its ``mode``)
+  and a ring over any other axis over which the gradient einsum reduce-scatters (a weight
+  gradient over ``fsdp``, in that ring's best mode). Each is costed as its ring (or its
+  einsum) plus the collectives it leaves to the compiler that block the chip: every
+  reduce-scatter (synchronous under the TPU flags), and an all-gather of the cotangent;
+  an all-gather of one of the forward's inputs is not counted where the profile runs
+  collectives asynchronously, since it is ready before the layer's backward pass begins
+  and the compiler's asynchronous gather overlaps it (dense_500b's programs show those
+  gathers as asynchronous collective fusions). The least wins; ties go to the forward's
+  ring.
   """
+  profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(hardware)
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
   out_shape = tuple(sizes[l] for l in eq.out)
   lhs_spec, rhs_spec, out_spec = specs
@@ -136,7 +141,7 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
                 'rhs': (f'{eq.lhs},{eq.out}->{eq.rhs}', (lhs_spec, out_spec, rhs_spec),
                         (shapes[0], out_shape))}
   rings = []
-  for equation, t_specs, t_shapes in transposed.values():
+  for which, (equation, t_specs, t_shapes) in transposed.items():
     t_eq, plans = einsum_plan.plan(equation, *t_specs)
     plan = next((p for p in plans if p.axis == axis), None)
     if plan is None or plan.kind not in DECOMPOSABLE:
@@ -145,19 +150,22 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
     others = [p for p in plans if p.kind == 'reducescatter' and p.axis != axis and
               mesh.shape[p.axis] > 1 and
               not _problem(t_eq, p, t_shapes, t_specs, mesh, alone=False)]
-    saving = {}
-    for p in [plan] + others:
-      est = _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, wire_fp32)
-      for m in ((mode,) if p is plan else ('unidirectional', 'bidirectional')):
-        saving[p.axis, m] = _saving(est, m)
-    best = max(saving, key=lambda r: (saving[r], r[0] == axis))  # ties: the forward's ring
-    rings.append(best if saving[best] >= 0 else None)
+    candidates = [plan] + others
+    est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, wire_fp32)
+           for p in candidates}
+    cotangent = 'rhs' if which == 'rhs' else 'lhs'  # the transposed einsum's operand
+    prefetched = lambda p: (profile.async_collectives and p.kind != 'reducescatter' and
+                            p.gathered != cotangent)
+    blocking = {p.axis: 0.0 if prefetched(p) else est[p.axis].comm_seconds for p in candidates}
+    left = lambda a: sum(s for b, s in blocking.items() if b != a)
+    total = {(axis, mode): est[axis].seconds[mode] + left(axis)}
+    for p in others:
+      for m in ('unidirectional', 'bidirectional'):
+        total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
+    best = min(total, key=lambda r: (total[r], r[0] != axis))  # ties: the forward's ring
+    plain = est[axis].compute_seconds + sum(blocking.values())
+    rings.append(best if total[best] <= plain else None)
   return tuple(rings)
-
-
-def _saving(est: cost_model.Estimate, mode: str) -> float:
-  """Modeled seconds a ring in ``mode`` saves over the plain einsum (negative: it costs)."""
-  return est.seconds['none'] - est.seconds[mode]
 
 
 def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,

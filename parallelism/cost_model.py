@@ -6,10 +6,10 @@ For the decomposed axis of size N, per device:
   bandwidth)`` with ``F`` its FLOPs and ``B`` the bytes it reads and writes;
   one ring step takes ``c = max(F / N / peak, b / HBM bandwidth)``, where ``b``
   is what one step reads and writes: its operand blocks and output part, plus,
-  where partial sums accumulate, the accumulator read and written again every
-  step (an all-gather over a contracted dim: fp32; a reduce-scatter's partial
-  sum, written, then read with the arriving one and their sum written, in the
-  wire dtype). A ring whose steps are bound by that traffic while the plain
+  where partial sums accumulate, the partial sum written, then read with the
+  accumulator and their sum written, every step (an all-gather over a contracted
+  dim: in fp32, the addition apart from the einsum; a reduce-scatter's: in the
+  wire dtype, with the arriving accumulator). A ring whose steps are bound by that traffic while the plain
   einsum is not loses to ``none`` (the same max(FLOPs, bytes) rule as the step
   model, parallelism/step_model.py, and the same hardware table; profiles
   without an HBM bandwidth, the CPU's, count FLOPs only). Operand and output
@@ -150,6 +150,8 @@ def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
   if plan.kind == 'allgather_free':  # blocks, the other operand, parts of the output
     step = lambda k: itemsize * (k * g + o + k * out / n)
     return plain, step(1), step(2)
-  # allgather_contracting: blocks and slices of the other, the accumulator read and written
-  step = lambda k: itemsize * k * (g + o / n) + 2 * acc * out
+  # allgather_contracting: blocks and slices of the other; the product written in fp32, then
+  # it and the accumulator read and their sum written (the compiler keeps the addition
+  # apart from the einsum where their layouts differ: dense_64b's weight gradients)
+  step = lambda k: itemsize * k * (g + o / n) + 4 * acc * out
   return plain, step(1), step(2)

@@ -339,8 +339,9 @@ def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   est = lambda d: cost_model.estimate(eq, plan, (b, d), (d, f), 'bfloat16', mesh, 'tpu_v4')
   shallow, deep = est(2048), est(65536)
   assert shallow.step_memory_bound and not deep.step_memory_bound
-  # per step: an x block and a w slice in bf16, the accumulator [b, f/8] read and written
-  step_bytes = 2 * (b * 2048 / 8 + 2048 * f / 64) + 2 * 4 * b * f / 8
+  # per step: an x block and a w slice in bf16; the fp32 product [b, f/8] written, then it
+  # and the accumulator read and their sum written
+  step_bytes = 2 * (b * 2048 / 8 + 2048 * f / 64) + 4 * 4 * b * f / 8
   assert shallow.step_compute_seconds == pytest.approx(step_bytes / 1.2e12)
   assert shallow.step_compute_seconds > 1.5 * (2 * b * 2048 * f / 64 / 275e12)  # its FLOPs
   pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
@@ -432,6 +433,16 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   assert d.axis == T and d.collective == 'reducescatter', d
   assert d.backward == ('ring', 'ring') and d.backward_over == (None, (F, 'bidirectional'))
   assert d.gradient(1) == 'bidirectional over fsdp' and 'rhs bidirectional over fsdp' in d.reason
+  # 64B's mlp.gate_up (fsdp=64 x tensor=8, 8,192 tokens a chip): the ring over tensor
+  # would gather x block by block and add each block's fp32 product into a [2, d, f/8]
+  # accumulator (HBM-bound), then leave the reduce-scatter over fsdp; the ring over fsdp
+  # leaves only x's gather over tensor, which the compiler prefetches (x is the forward's
+  # input, ready before the layer's backward): it wins.
+  mesh64 = jax.sharding.AbstractMesh((1, 64, 8), (D, F, T))
+  d = explain('btd,sdf->btsf', (256, 2048, 8192), (2, 8192, 26112), 'bfloat16', mesh=mesh64,
+              lhs_spec=P(B, T, None), rhs_spec=P(None, F, T), out_spec=P(B, None, None, T),
+              hardware='tpu_v4')
+  assert d.axis == T and d.backward_over == (None, (F, 'bidirectional')), d
   # Where data shards the batch too (data=2), fsdp does not shard it alone: no such ring.
   mesh = jax.sharding.AbstractMesh((2, 64, 8), (D, F, T))
   d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
