@@ -51,9 +51,9 @@ class Decision:
   # einsum decomposed over the same axis) or 'none' (one einsum over an operand the
   # compiler gathers once: auto's choice where the ring's steps would be HBM-bound).
   backward: tuple[str, str] = ('ring', 'ring')
-  # (axis, mode) of a gradient's ring where it is not the forward's ``axis``: a weight
-  # gradient whose compiler reduce-scatter over ``fsdp`` would cost more than its
-  # collective over ``axis`` rings over ``fsdp`` (``_backward_forms``).
+  # (axis, mode) of a gradient's ring where it runs over another axis than the forward's:
+  # a weight gradient over ``fsdp``, where the compiler's reduce-scatter of its partial
+  # sums would block the chip (``_backward_forms``).
   backward_over: tuple[tuple[str, str] | None, tuple[str, str] | None] = (None, None)
 
   def gradient(self, which: int) -> str:
@@ -132,7 +132,8 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
   gathers as asynchronous collective fusions). The least wins; ties go to the forward's
   ring.
   """
-  profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(hardware)
+  profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
+      hardware or cost_model.DEFAULT_HARDWARE)
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
   out_shape = tuple(sizes[l] for l in eq.out)
   lhs_spec, rhs_spec, out_spec = specs
