@@ -1,4 +1,9 @@
-"""Behaviour kept: a short run of configs/default.py gives the stored losses, bit for bit.
+"""Behaviour kept: a short run of configs/default.py gives the stored losses.
+
+Every value must match to a relative 1e-6, a few fp32 roundings: XLA's CPU code
+generation differs between host CPUs (on one host the step-1 loss came out one fp32 ulp,
+8e-8 relative, from the stored value while every other value matched bit for bit), and
+any change of the computation moves the losses far more.
 
 The reference (tests/data/default_run.json) was written by this test with
 ``RINGTRAIN_WRITE_REFERENCE=1`` on the code before a refactor; a change that
@@ -9,6 +14,8 @@ decomposed, AdamW) for 3 steps, one held-out batch, no checkpoints.
 
 import json
 import os
+
+import pytest
 
 from tests.conftest import ROOT
 from trainer import train
@@ -29,11 +36,15 @@ def _run(workdir) -> list[dict]:
           for r in records if any(k in r for k in KEYS)]
 
 
-def test_default_config_losses_match_the_reference_bit_for_bit(tmp_path):
+def test_default_config_losses_match_the_reference(tmp_path):
   got = _run(tmp_path / 'run')
   if os.environ.get('RINGTRAIN_WRITE_REFERENCE'):
     with open(REFERENCE, 'w', encoding='utf-8') as f:
       json.dump(got, f, indent=1)
       f.write('\n')
   with open(REFERENCE, encoding='utf-8') as f:
-    assert got == json.load(f)  # floats round-trip through JSON exactly
+    want = json.load(f)
+  assert [sorted(r) for r in got] == [sorted(r) for r in want]
+  for g, w in zip(got, want):
+    for k in g:
+      assert g[k] == pytest.approx(w[k], rel=1e-6, abs=0), (g['step'], k, g[k], w[k])
