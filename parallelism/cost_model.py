@@ -9,8 +9,8 @@ For the decomposed axis of size N, per device:
   where partial sums accumulate, the partial sum written, then read with the
   accumulator and their sum written, every step (an all-gather over a contracted
   dim: in fp32, the addition apart from the einsum; a reduce-scatter's: in the
-  wire dtype, with the arriving accumulator). A ring whose steps are bound by that traffic while the plain
-  einsum is not loses to ``none`` (the same max(FLOPs, bytes) rule as the step
+  wire dtype, with the arriving accumulator). A ring whose steps are bound by
+  that traffic while the plain einsum is not loses to ``none`` (the same max(FLOPs, bytes) rule as the step
   model, parallelism/step_model.py, and the same hardware table; profiles
   without an HBM bandwidth, the CPU's, count FLOPs only). Operand and output
   sizes are what one device holds in the ring: an output whose partial sums
@@ -131,7 +131,7 @@ def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
                wire: int) -> tuple[float, float, float]:
   """Bytes read and written per device by the plain einsum, by one ring step, and by
   one bidirectional round (two blocks through one einsum, ``ring.py``: the operand
-  that does not travel is read once, an accumulator read and written once).
+  that does not travel is read once, and the round's partial sum added once).
 
   ``local``: the elements of each operand's block on one device ('l', 'r', 'o');
   ``n`` the ring's size; ``wire`` the bytes of a partial sum's element.
