@@ -10,8 +10,9 @@ For the decomposed axis of size N, per device:
   accumulator and their sum written, every step (an all-gather over a contracted
   dim: in fp32, the addition apart from the einsum; a reduce-scatter's: in the
   wire dtype, with the arriving accumulator). A ring whose steps are bound by
-  that traffic while the plain einsum is not loses to ``none`` (the same max(FLOPs, bytes) rule as the step
-  model, parallelism/step_model.py, and the same hardware table; profiles
+  that traffic while the plain einsum is not loses to ``none`` (the same
+  max(FLOPs, bytes) rule as the step model, parallelism/step_model.py, and the
+  same hardware table; profiles
   without an HBM bandwidth, the CPU's, count FLOPs only). Operand and output
   sizes are what one device holds in the ring: an output whose partial sums
   are reduced over other axes after it (a weight gradient over ``fsdp``) is
