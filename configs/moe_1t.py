@@ -58,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
       ['batch', ['data', 'fsdp']],
       ['residual_length', 'tensor'],
       ['exp', 'expert'],
+      ['capacity', 'tensor'],
       ['embed', ['fsdp', 'expert']],
       ['embed', 'fsdp'],
       ['vocab', 'tensor'],

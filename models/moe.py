@@ -157,7 +157,9 @@ class MoeMlp(nnx.Module):
   def _experts(self, x_ebcd: jax.Array) -> jax.Array:
     """Every expert's SwiGLU on its tokens: [exp, batch, capacity, embed] -> same."""
     ops, dt = self.ops, jnp.dtype(self.dtype)
-    hid = ('exp', 'batch', 'capacity', 'mlp')
+    # The hidden activations split mlp, not capacity, over the axis that splits both
+    # elsewhere (the experts' tensor parallelism): capacity gets no name here.
+    hid = ('exp', 'batch', None, 'mlp')
     up = lambda w, name: ops.einsum('ebcd,edf->ebcf', x_ebcd, w[...].astype(dt),
                                     x_axes=AT_EXPERTS, w_axes=('exp', 'embed', 'mlp'),
                                     out_axes=hid, name=f'{self.path}.{name}')

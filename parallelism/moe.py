@@ -56,11 +56,15 @@ class ExchangeDecision:
 
 
 def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: int,
-             chunks: int, hardware: str) -> dict[str, float]:
-  """Modeled seconds of ``single`` and ``chunked`` (see the module docstring)."""
+             chunks: int, hardware: str, shards: int | None = None) -> dict[str, float]:
+  """Modeled seconds of ``single`` and ``chunked`` (see the module docstring).
+
+  ``shards``: how many blocks the dispatched tokens are split into (default
+  ``devices``; fewer where devices hold the same tokens).
+  """
   profile = hw.get_profile(hardware)
   a = step_model.ring_collective_seconds(
-      math.prod(shape_becd) * itemsize / devices, [n],
+      math.prod(shape_becd) * itemsize / (shards or devices), [n],
       profile.link_bandwidth * step_model.LINK_EFFICIENCY, profile.ring_links,
       profile.step_latency)
   t_c = expert_flops / devices / (profile.peak_flops or CPU_NOMINAL_FLOPS)
@@ -74,19 +78,29 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
 
 
 def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: str,
-           hardware: str) -> ExchangeDecision:
+           hardware: str, dispatched: PartitionSpec = PartitionSpec()) -> ExchangeDecision:
   """One layer's exchange in ``mode``: single | chunked | auto (the cost model picks).
 
   ``MatmulPolicy.choose`` asks for single under ``collective_matmul=never`` and
-  chunked under ``always``; the reasons name those settings.
+  chunked under ``always``; the reasons name those settings. ``dispatched``: the
+  tokens' layout before the exchange; where it splits the capacity dim (experts
+  tensor-parallel over that axis), the exchange is single, since a chunk of slots
+  would span devices.
   """
   n = mesh.shape[axis] if axis else 1
   b, e, c, d = shape_becd
   chunk_shape = lambda k: (e, b, c // k, d)
-  seconds = estimate(shape_becd, itemsize, expert_flops, mesh.size, n, chunks, hardware)
+  size = lambda entry: math.prod(mesh.shape[a] for a in axes_of(entry))
+  shards = math.prod(size(entry) for entry in dispatched) if len(dispatched) else None
+  seconds = estimate(shape_becd, itemsize, expert_flops, mesh.size, n, chunks, hardware,
+                     shards)
   if n == 1:
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
                             'no expert parallelism: no all-to-all')
+  if mode != 'single' and chunks > 1 and len(dispatched) > 2 and size(dispatched[2]) > 1:
+    return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
+                            f'capacity is split over {dispatched[2]}: a chunk of slots '
+                            'would span devices')
   if mode == 'single' or chunks == 1:
     why = 'collective_matmul="never"' if mode == 'single' else 'moe.overlap_chunks=1'
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware, why)

@@ -216,7 +216,7 @@ class ShardedOps(Ops):
       moe.check_layout(axis, dispatched, at_experts)
     decision = self._decision(name, (dispatched, at_experts), lambda: self.policy.choose(
         lambda mode: moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis,
-                                chunks, mode, self.policy.hardware),
+                                chunks, mode, self.policy.hardware, dispatched),
         never='single', always='chunked'))
     with jax.named_scope(name):
       return moe.run(decision, x_becd, expert_fn, self.mesh, dispatched, at_experts)

@@ -21,6 +21,14 @@ D, T, B = 16, 32, 8  # embed, tokens per sequence (group), sequences
 RULES = sharding.normalize_rules([['batch', ['data', 'fsdp', 'expert']],
                                   ['batch', ['data', 'fsdp']], ['exp', 'expert'],
                                   ['mlp', 'tensor']])
+# moe_1t's layout: a sequence-parallel residual stream, each expert's slots split over
+# tensor, so the all-to-all moves each device's own slots and the experts' einsums
+# gather and scatter them over tensor (decomposable rings).
+SLOT_RULES = sharding.normalize_rules([['batch', ['data', 'fsdp', 'expert']],
+                                       ['batch', ['data', 'fsdp']],
+                                       ['residual_length', 'tensor'], ['exp', 'expert'],
+                                       ['capacity', 'tensor'], ['embed', 'fsdp'],
+                                       ['mlp', 'tensor']])
 MOE_SMALL = os.path.join(ROOT, 'configs', 'moe_small.py')
 
 
@@ -53,17 +61,19 @@ def _x(seed=1):
 
 
 @pytest.mark.parametrize('policy, chunks', [('never', 1), ('always', 2), ('always', 4)])
-@pytest.mark.parametrize('sizes', [dict(data=2, expert=4), dict(expert=2, tensor=2, data=2)],
-                         ids=['data2xexpert4', 'expert2xtensor2'])
-def test_expert_parallel_equals_single_device(devices, sizes, policy, chunks):
+@pytest.mark.parametrize('sizes, rules', [(dict(data=2, expert=4), RULES),
+                                          (dict(expert=2, tensor=2, data=2), RULES),
+                                          (dict(fsdp=2, expert=2, tensor=2), SLOT_RULES)],
+                         ids=['data2xexpert4', 'expert2xtensor2', 'slots_over_tensor'])
+def test_expert_parallel_equals_single_device(devices, sizes, rules, policy, chunks):
   moe = MoeConfig(num_experts=8, top_k=2, mlp_dim=32, overlap_chunks=chunks)
   layer = _layer(moe)
   params = nnx.state(layer)
   ref_y, ref_aux, ref_grads = _apply(layer, params, _x(), Ops())
   mesh, matmul = _mesh(**sizes), sharding.MatmulPolicy(policy)
   plan = sharding.plan_layers(lambda ops: _layer(moe, ops)(_x(), RESIDUAL), mesh=mesh,
-                              rules=RULES, policy=matmul)
-  ops = sharding.ShardedOps(mesh, RULES, matmul, plan)
+                              rules=rules, policy=matmul)
+  ops = sharding.ShardedOps(mesh, rules, matmul, plan)
   y, aux, grads = _apply(layer, params, _x(), ops)
   np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
   for k in aux:
@@ -71,8 +81,12 @@ def test_expert_parallel_equals_single_device(devices, sizes, policy, chunks):
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
   decision, _ = plan['moe.exchange']
-  assert (decision.mode, decision.chunks) == (('single', 1) if policy == 'never'
+  sliced = rules is SLOT_RULES  # chunks of slots split over tensor would span devices
+  assert (decision.mode, decision.chunks) == (('single', 1) if policy == 'never' or sliced
                                               else ('chunked', chunks))
+  if sliced:  # the experts' einsums are rings over tensor where the policy says so
+    assert {plan[f'moe.{n}'].decision.axis for n in ('gate', 'up', 'down')} == (
+        {None} if policy == 'never' else {'tensor'})
 
 
 def test_chunked_routes_identically_and_splits_the_all_to_all(devices):
