@@ -219,6 +219,9 @@ def _problem(eq, p, shapes, specs, mesh, alone: bool = True) -> str:
     return p.reason
   n = mesh.shape[p.axis]
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
+  out_axes = einsum_plan.letter_axes(eq.out, specs[2]).values()
+  if p.kind != 'reducescatter' and not any(p.axis in axes for axes in out_axes):
+    return f'the output is replicated over {p.axis}: each device would compute all of it'
   for letters, spec in zip((eq.lhs, eq.rhs, eq.out), specs):
     for axes in einsum_plan.letter_axes(letters, spec).values():
       shared = [a for a in axes if a != p.axis and (alone or mesh.shape[a] > 1)]

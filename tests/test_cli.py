@@ -40,6 +40,10 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.steps=0'], 'steps=0 must be at least 1'),
     (['--config.model.num_kv_heads=2'], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),
     (['--config.moe.num_experts=4', '--config.moe.top_k=5'], 'moe.top_k=5 must be in'),
+    (['--config.moe.num_experts=8', '--config.seq_len=32',
+      "--config.mesh.logical_axis_rules=[['batch', 'data'], ['capacity', 'tensor']]"],
+     'moe capacity 10 slots (seq_len=32, moe.capacity_factor=1.25) is not divisible by '
+     'tensor=4'),
     (['--config.on_nonfinite=ignore'], "on_nonfinite='ignore' is not one of stop, skip"),
     (['--config.optimizer.schedule=step'],
      "optimizer.schedule='step' is not one of cosine, linear, constant, wsd, rsqrt"),

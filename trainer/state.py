@@ -17,6 +17,7 @@ from flax import nnx
 from models.ops import Ops
 from models.transformer import Transformer, TransformerConfig
 from parallelism import sharding
+from trainer import validation
 from trainer.config import Config
 
 
@@ -62,8 +63,8 @@ def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules) 
   for the microbatch the train step traces."""
   model_cfg = cfg.transformer()
   # Planning traces the sharded model: first refuse, naming it, a dimension the mesh
-  # does not divide (shapes only).
-  with_shardings(abstract_model(model_cfg, cfg.seed).params, rules, mesh)
+  # does not divide (the batch, MoE capacity, parameters; shapes only).
+  validation.check_layout(cfg, mesh.shape, abstract_model(model_cfg, cfg.seed).params)
   micro_bt = (cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len)
   ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops),
                              micro_bt, mesh=mesh, rules=rules,

@@ -94,8 +94,7 @@ def _prepare(cfg: Config, workdir: str) -> Run:
                                      profile.platform)
   mesh = mesh_lib.make_mesh(cfg.mesh.sizes())
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-  model = model_for_mesh(cfg, mesh, rules)
-  validation.check_layout(cfg, mesh.shape, model.params)
+  model = model_for_mesh(cfg, mesh, rules)  # checks the layout divides first
   corpus = data.load(cfg.data, model.cfg.vocab_size, cfg.seed)
   data.check_lengths(corpus, cfg.seq_len, cfg.batch_size, cfg.eval_steps)
   run = Run(cfg, workdir, mesh, rules, model, corpus)

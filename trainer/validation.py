@@ -98,7 +98,8 @@ def resolve_attention(cfg: Config, platform: str) -> Config:
 
 
 def check_layout(cfg: Config, mesh_shape: dict, params: Any) -> None:
-  """Checks that the batch and the abstract ``params`` divide over a mesh of ``mesh_shape``."""
+  """Checks that the batch, MoE capacity and abstract ``params`` divide over a mesh of
+  ``mesh_shape``."""
   mesh = types.SimpleNamespace(shape=dict(mesh_shape))
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
   shards = sharding.mesh_axis_size(mesh, sharding.logical_to_spec(('batch',), rules)[0])
@@ -106,4 +107,11 @@ def check_layout(cfg: Config, mesh_shape: dict, params: Any) -> None:
   if cfg.batch_size % (shards * accum):
     raise ValueError(f'batch_size={cfg.batch_size} is not divisible by data*fsdp={shards}'
                      f' x optimizer.grad_accum_steps={accum}')
+  moe = cfg.transformer().moe
+  if moe.enabled:  # each expert's slots, where the rules split them
+    axes = sharding.logical_to_spec(('capacity',), rules)[0]
+    slots, split = moe.capacity(cfg.seq_len), sharding.mesh_axis_size(mesh, axes)
+    if slots % split:
+      raise ValueError(f'moe capacity {slots} slots (seq_len={cfg.seq_len}, moe.capacity_factor='
+                       f'{moe.capacity_factor}) is not divisible by {axes}={split}')
   sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
