@@ -8,8 +8,15 @@ on a v4:8x8x16 slice: four experts live on each expert-axis slice, their
 weights sharded over fsdp (embed) and tensor (mlp); dense weights are sharded
 over fsdp and expert (embed) and tensor (heads, mlp), with the residual stream
 sequence-parallel over tensor. Global batch 1024 x 1024 tokens, bf16 compute
-over fp32 master weights and AdamW state, full remat, the expert all-to-all in
-up to 2 chunks (``auto`` chunks it only where that pays).
+over fp32 master weights and AdamW state, full remat.
+
+Each expert's 40 capacity slots are split over tensor (5 per device): the
+all-to-all moves only a device's own slots, and the experts' einsums gather the
+slots over tensor before gate/up and reduce-scatter them after down, which
+rings decompose. With the slots whole on every tensor device instead, each of
+them sends the same tokens (8x the all-to-all bytes) and the down projection's
+partial sums need an all-reduce of every slot (docs/paper_scale.md). A split
+capacity dim keeps the exchange single (a chunk of slots would span devices).
 
 The tensor axis is what lets rings decompose the dense layers. Without it
 (fsdp=16 x expert=64) every dense weight is sharded over all 1024 chips, and the
@@ -44,15 +51,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.moe.every = 2
   c.moe.mlp_dim = 19456
   c.moe.capacity_factor = 1.25
-  c.moe.overlap_chunks = 2
+  c.moe.overlap_chunks = 1  # capacity is split over tensor: no chunks
 
   c.mesh.data = 1
   c.mesh.fsdp = 8
   c.mesh.tensor = 8
   c.mesh.expert = 16
   # Tokens over fsdp and expert (expert last: one all-to-all reaches the experts), the
-  # residual stream's sequence over tensor; expert weights: exp over expert, embed over
-  # fsdp, mlp over tensor; dense weights: embed over fsdp and expert, the rest over tensor.
+  # residual stream's sequence over tensor, each expert's capacity slots over tensor;
+  # expert weights: exp over expert, embed over fsdp, mlp over tensor; dense weights:
+  # embed over fsdp and expert, the rest over tensor.
   c.mesh.logical_axis_rules = [
       ['batch', ['data', 'fsdp', 'expert']],
       ['batch', ['data', 'fsdp']],
