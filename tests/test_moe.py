@@ -89,6 +89,35 @@ def test_expert_parallel_equals_single_device(devices, sizes, rules, policy, chu
         {None} if policy == 'never' else {'tensor'})
 
 
+def test_slots_over_tensor_shrink_the_all_to_all_and_ring_the_experts(devices):
+  """With capacity over tensor, each all-to-all moves a device's own share of the slots,
+  and under ``always`` the experts' einsums leave no collective over tensor to the
+  compiler (their gathers and reduce-scatters are rings of permutes)."""
+  from parallelism import hlo_text  # pylint: disable=import-outside-toplevel
+  moe = MoeConfig(num_experts=8, top_k=2, mlp_dim=32, overlap_chunks=1)
+  mesh = _mesh(fsdp=2, expert=2, tensor=2)
+  slots = moe.capacity(T)
+  layer = _layer(moe)
+  graphdef, params = nnx.split(layer)
+  experts = lambda name: any(f'moe.{n}' in name for n in ('gate', 'up', 'down'))
+  for policy in ('never', 'always'):
+    ops = sharding.ShardedOps(mesh, SLOT_RULES, sharding.MatmulPolicy(policy))
+
+    def loss(params, x, ops=ops):
+      model = nnx.merge(graphdef, params)
+      model.ops = ops
+      return jnp.sum(model(x, RESIDUAL)[0])
+    text = jax.jit(jax.grad(loss)).lower(params, _x()).compile().as_text()
+    module = hlo_text.parse(text)
+    a2a = [i for c in module.computations.values() for i in c
+           if i.opcode.removesuffix('-start') == 'all-to-all']
+    assert a2a and all(  # fp32 [B/4 groups, 8 experts, slots/2, D]: 1/8 of the slots
+        hlo_text.shape_bytes(i.shape) == 4 * B // 4 * 8 * (slots // 2) * D
+        for i in a2a), [i.shape for i in a2a]
+    over_tensor = hlo_text.collectives_over(module, mesh, 'tensor', experts)
+    assert bool(over_tensor) == (policy == 'never'), (policy, over_tensor)
+
+
 def test_chunked_routes_identically_and_splits_the_all_to_all(devices):
   mesh = _mesh(data=2, expert=4)
   moe = MoeConfig(num_experts=8, top_k=2, mlp_dim=32, overlap_chunks=4)
@@ -205,6 +234,17 @@ def test_exchange_cost_model_and_auto_choice(devices):
   assert auto('cpu').mode == 'single'      # synchronous copies: chunking only adds steps
   assert moe_lib.decide(shape, itemsize, flops, mesh, None, 2, 'chunked', 'cpu').reason == (
       'no expert parallelism: no all-to-all')
+  # tokens held alike on both data devices: each sends twice the bytes of a split layout
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  held = moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 1, 'auto', 'tpu_v4',
+                        P('expert', None, None, None))
+  assert held.seconds == moe_lib.estimate(shape, itemsize, flops, 8, 4, 1, 'tpu_v4', shards=4)
+  assert held.seconds['single'] > moe_lib.estimate(shape, itemsize, flops, 8, 4, 1,
+                                                   'tpu_v4')['single']
+  sliced = moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 2, 'chunked', 'cpu',
+                          P('expert', None, 'data', None))
+  assert (sliced.mode, sliced.reason) == ('single', "capacity is split over data: a chunk of "
+                                          'slots would span devices')
 
 
 def test_exchange_cost_agrees_with_the_step_model():
