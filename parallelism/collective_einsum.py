@@ -410,7 +410,13 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   # reduced once after it, not once per step.
   summed = tuple(a for a in _summed_axes(eq, cfg.axis, lhs_spec, rhs_spec)
                  if cfg.mesh.shape[a] > 1)
-  manual = (cfg.axis,) + summed
+  # Axes that shard the einsum alike everywhere (an expert weight gradient's experts) are
+  # manual too: each device keeps its block. Left to the compiler inside the shard_map, it
+  # gathered them around the reduction over ``summed`` (a v5p MoE program: every expert's
+  # gradient all-gathered and reduce-scattered, 16x the bytes).
+  passing = tuple(a for a in _passing_axes(eq, cfg.axis, lhs_spec, rhs_spec, cfg.out_spec)
+                  if a not in summed and cfg.mesh.shape[a] > 1)
+  manual = (cfg.axis,) + summed + passing
   keep = lambda spec: PartitionSpec(*[
       einsum_plan.spec_entry(tuple(a for a in einsum_plan.axes_of(e) if a in manual))
       for e in spec])
@@ -439,6 +445,15 @@ def _summed_axes(eq: Equation, axis: str, lhs_spec, rhs_spec) -> tuple[str, ...]
     if letter in eq.rhs and letter not in eq.out and lhs[letter] == rhs[letter]:
       out += [a for a in lhs[letter] if a != axis and a not in out]
   return tuple(out)
+
+
+def _passing_axes(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec) -> tuple[str, ...]:
+  """Mesh axes (not ``axis``) that shard every letter they touch alike in all three
+  arrays (``einsum_plan``'s ``pass``): no collective, each device computes its block."""
+  maps = [einsum_plan.letter_axes(l, s) for l, s in ((eq.lhs, lhs_spec), (eq.rhs, rhs_spec),
+                                                     (eq.out, out_spec))]
+  axes = sorted({a for m in maps for entry in m.values() for a in entry} - {axis})
+  return tuple(a for a in axes if einsum_plan.classify_axis(eq, a, *maps).kind == 'pass')
 
 
 def _reduction(eq: Equation, summed, out_spec, manual):

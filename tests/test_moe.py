@@ -91,8 +91,8 @@ def test_expert_parallel_equals_single_device(devices, sizes, rules, policy, chu
 
 def test_slots_over_tensor_shrink_the_all_to_all_and_ring_the_experts(devices):
   """With capacity over tensor, each all-to-all moves a device's own share of the slots,
-  and under ``always`` the experts' einsums leave no collective over tensor to the
-  compiler (their gathers and reduce-scatters are rings of permutes)."""
+  under ``always`` the experts' einsums leave no collective over tensor to the compiler
+  (their gathers and reduce-scatters are rings of permutes), and none crosses expert."""
   from parallelism import hlo_text  # pylint: disable=import-outside-toplevel
   moe = MoeConfig(num_experts=8, top_k=2, mlp_dim=32, overlap_chunks=1)
   mesh = _mesh(fsdp=2, expert=2, tensor=2)
@@ -116,6 +116,9 @@ def test_slots_over_tensor_shrink_the_all_to_all_and_ring_the_experts(devices):
         for i in a2a), [i.shape for i in a2a]
     over_tensor = hlo_text.collectives_over(module, mesh, 'tensor', experts)
     assert bool(over_tensor) == (policy == 'never'), (policy, over_tensor)
+    # each device keeps its experts' blocks: nothing crosses expert (the weight gradients'
+    # rings once gathered every expert's gradient around their reduction over fsdp)
+    assert not hlo_text.collectives_over(module, mesh, 'expert', experts), policy
 
 
 def test_chunked_routes_identically_and_splits_the_all_to_all(devices):
