@@ -173,6 +173,10 @@ def test_explicit_mode_rejects_unsupported_specs():
   d = explain('bf,fd->bd', (8, 8), (8, 8), 'float32', mesh=mesh, lhs_spec=P(None, T),
               rhs_spec=P(T, None), out_spec=P(None, None), mode='auto')
   assert d.mode == 'none' and 'all-reduce' in d.reason
+  # A gather whose output no device splits: every device would compute all of it.
+  with pytest.raises(ValueError, match='the output is replicated over tensor'):
+    explain('bd,df->bf', (8, 8), (8, 8), 'float32', mesh=mesh, lhs_spec=P(T, None),
+            rhs_spec=P(None, None), out_spec=P(None, None), mode='unidirectional')
 
 
 def test_inputs_are_resharded_and_explicit_meshes_refused(devices):
