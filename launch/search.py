@@ -5,7 +5,7 @@ Sweeps a bounded grid of layouts for the config's model on the slice:
 * mesh sizes ``data x fsdp x tensor`` covering the chips (tensor and data
   powers of two, tensor at most 16, data at most 8);
 * tokens per chip: the config's batch, half and twice it;
-* remat: ``full`` and ``minimal``.
+* remat: ``full``, ``save_dot_except_mlp`` and ``minimal``.
 
 Candidates the slice cannot lay out (each mesh size a product of its physical
 axes) or the layout checks refuse (divisibility, as the trainer checks) are
@@ -22,7 +22,9 @@ per variant. Everything but the compiler's memory figures is modeled.
 Memory estimate per chip (bytes): parameters with AdamW moments and the
 gradient, ``16 N / (fsdp x tensor)``; saved activations, per layer and per
 token of a model-parallel group, ``2 d / tensor`` under ``full`` (the block's
-input, sequence-parallel) and ``2 (q + k + v + o + 2 mlp + d) / tensor`` under
+input, sequence-parallel), ``2 (2 d + q + k + v) / tensor`` under
+``save_dot_except_mlp`` (with the q/k/v projections and the output projection's
+sequence-parallel output) and ``2 (q + k + v + o + 2 mlp + d) / tensor`` under
 ``minimal`` (the projections' outputs); one layer's working set, four times
 the larger of its MLP and attention activations; and the fp32 attention
 logits of one layer, ``3 x 4 heads/tensor x seq^2`` per sequence.
@@ -60,6 +62,9 @@ class Layout:
             f'batch={self.batch_size} remat={self.remat}')
 
 
+REMATS = ('full', 'save_dot_except_mlp', 'minimal')
+
+
 def grid(cfg, chips: int) -> list[Layout]:
   """Every layout of the bounded grid for ``chips`` (unchecked)."""
   powers = [2 ** i for i in range(int(math.log2(chips)) + 1)]
@@ -69,7 +74,7 @@ def grid(cfg, chips: int) -> list[Layout]:
                                         [p for p in powers if p <= 8]):
     if chips % (tensor * data):
       continue
-    for batch, remat in itertools.product(batches, ('full', 'minimal')):
+    for batch, remat in itertools.product(batches, REMATS):
       out.append(Layout(data, chips // (tensor * data), tensor, batch, remat))
   return out
 
@@ -81,12 +86,23 @@ def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int) -> flo
   tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
   heads = m.num_heads * m.head_dim
   kv = m.num_kv_heads * m.head_dim
-  per_token = 2 * (m.d_model if layout.remat == 'full' else
-                   2 * heads + 2 * kv + 2 * m.mlp_dim + m.d_model) / t
+  per_token = 2 * {'full': m.d_model,
+                   'save_dot_except_mlp': 2 * m.d_model + heads + 2 * kv,
+                   'minimal': 2 * heads + 2 * kv + 2 * m.mlp_dim + m.d_model}[layout.remat] / t
   working = 4 * 2 * tokens * max(m.mlp_dim, heads + 2 * kv) / t
   logits = 3 * 4 * (m.num_heads / t) * seq_len ** 2 * layout.batch_size / (
       layout.data * layout.fsdp)
   return state + m.num_layers * tokens * per_token + working + logits
+
+
+def recompute_factor(model_cfg, remat: str) -> float:
+  """Matmul FLOPs per step over the model's 6N: ``full`` repeats every forward
+  projection (4/3), ``save_dot_except_mlp`` only the MLP's, ``minimal`` little."""
+  m = model_cfg
+  attn = m.d_model * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+  mlp = 3 * m.d_model * m.mlp_dim
+  return {'full': 4 / 3, 'save_dot_except_mlp': 1 + mlp / (attn + mlp) / 3,
+          'minimal': 1.05}[remat]
 
 
 def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chips: int,
@@ -95,7 +111,7 @@ def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chip
   overlapped with the FSDP weight gathers and gradient reduce-scatters (bf16
   weights, three passes), plus tensor-parallel activation transfers (4 per layer
   forward, twice that backward), which nothing overlaps in the baseline."""
-  recompute = {'full': 4 / 3, 'minimal': 1.05}[layout.remat]
+  recompute = recompute_factor(model_cfg, layout.remat)
   compute = model_flops * recompute / (chips * profile.peak_flops)
   ring = lambda moved, n: step_model.ring_collective_seconds(
       moved, [n], profile.link_bandwidth, profile.ring_links, profile.step_latency)

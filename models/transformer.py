@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import attend_blockwise, attend_cudnn, attend_splash
 from models.moe import MoeConfig, MoeMlp, zero_aux
@@ -36,6 +37,11 @@ REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     'minimal': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # MaxText's name: keep the attention projections' outputs (q/k/v and the output
+    # projection, named below), recompute the MLP. The backward pass then repeats
+    # no attention projection (nor its collectives) for a fraction of 'minimal''s memory.
+    'save_dot_except_mlp': jax.checkpoint_policies.save_only_these_names(
+        'qkv_proj', 'query_proj', 'key_proj', 'value_proj', 'out_proj'),
 }
 
 
@@ -188,6 +194,7 @@ class Attention(nnx.Module):
       w_dkgh = jnp.concatenate([q.reshape(-1, kv, g, h), k[:, :, None], v[:, :, None]], 2)
       out = proj('btd,dkgh->btkgh', w_dkgh, ('embed', 'kv_heads', None, 'head_dim'),
                  ('batch', 'length', 'kv_heads', None, 'head_dim'), 'qkv')
+      out = checkpoint_name(out, 'qkv_proj')
       q_btnh, k_btkh, v_btkh = out[:, :, :, :g].reshape(b, t, n, h), out[:, :, :, g], \
           out[:, :, :, g + 1]
     else:
@@ -197,6 +204,8 @@ class Attention(nnx.Module):
                     ('batch', 'length', 'kv_heads', 'head_dim'), 'k')
       v_btkh = proj('btd,dkh->btkh', v, ('embed', 'kv_heads', 'head_dim'),
                     ('batch', 'length', 'kv_heads', 'head_dim'), 'v')
+      q_btnh, k_btkh, v_btkh = (checkpoint_name(a, f'{w}_proj') for a, w in
+                                ((q_btnh, 'query'), (k_btkh, 'key'), (v_btkh, 'value')))
     q_btnh = rotary(q_btnh, positions_bt, cfg.rope_theta)
     k_btkh = rotary(k_btkh, positions_bt, cfg.rope_theta)
     return q_btnh, k_btkh, v_btkh
@@ -213,10 +222,11 @@ class Attention(nnx.Module):
     """The output projection back to the residual stream."""
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     out_btnh = ops.constrain(out_btnh, ('batch', 'length', 'heads', 'head_dim'))
-    return ops.einsum('btnh,nhd->btd', out_btnh, self.o_nhd[...].astype(dt),
-                      x_axes=('batch', 'length', 'heads', 'head_dim'),
-                      w_axes=('heads', 'head_dim', 'embed'), out_axes=RESIDUAL,
-                      name=f'{self.path}.o')
+    return checkpoint_name(ops.einsum(
+        'btnh,nhd->btd', out_btnh, self.o_nhd[...].astype(dt),
+        x_axes=('batch', 'length', 'heads', 'head_dim'),
+        w_axes=('heads', 'head_dim', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.o'),
+        'out_proj')
 
 
 def attend(q_btnh, k_bskh, v_bskh, segments_bt):

@@ -99,7 +99,7 @@ def test_search_grid_prunes_by_checks_and_memory():
   profile, chips = aot.parse_topology('v4:8x8x16')
   grid = search.grid(cfg, chips)
   assert all(l.data * l.fsdp * l.tensor == chips and l.tensor <= 16 for l in grid)
-  assert {l.remat for l in grid} == {'full', 'minimal'} and len(grid) == 120
+  assert {l.remat for l in grid} == set(search.REMATS) and len(grid) == 180
   skipped = []
   kept = search.candidates(cfg, chips, profile, skipped.append)
   assert kept and len(kept) + len(skipped) == len(grid)

@@ -63,7 +63,9 @@ class Model:
   param_dtype: str = _key('float32', 'parameter / master-weight dtype')
   scan_layers: bool = _key(False, '`jax.lax.scan` over layers (compile time of deep models)')
   remat: str = _key('none', 'recompute activations: none | full (keep each block\'s input '
-                            'only) | dots (keep projection outputs; `minimal`, MaxText\'s name)')
+                            'only) | dots (keep projection outputs; `minimal`, MaxText\'s name) | '
+                            'save_dot_except_mlp (keep the attention projections\' outputs, '
+                            'recompute the MLP)')
   attention: str = _key('xla', 'xla (softmax over the whole [t, s] logits) | blockwise (keys in '
                                'blocks of `attention_block`, online softmax: same result, less '
                                'memory) | splash (the Pallas splash kernel, TPUs) | cudnn (flash '
