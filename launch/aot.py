@@ -167,7 +167,7 @@ def _check(cfg: Config, chips: int) -> dict:
   validation.check_layout(cfg, shape, model.params)
   return {'parameters': count_params(model.params),
           'mesh': ' x '.join(f'{a}={n}' for a, n in shape.items() if n > 1) or '1 chip',
-          'tokens_per_step': cfg.batch_size * cfg.seq_len,
+          'tokens_per_step': cfg.batch_size * cfg.seq_len, 'remat': cfg.model.remat,
           'model_flops_per_step': metrics.flops_per_token(model.cfg, cfg.seq_len)
                                   * cfg.batch_size * cfg.seq_len}
 
@@ -311,6 +311,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
       step = model['step_seconds']
       out['modeled'][name] = {
           'step_seconds': step, 'compute_seconds': model['compute_seconds'],
+          'compute_terms': model['compute_terms'],
           'communication_seconds': model['comm_seconds'],
           'exposed_communication_seconds': model['exposed_comm_seconds'],
           'exposed_dma_seconds': model['exposed_dma_seconds'],

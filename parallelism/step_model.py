@@ -65,7 +65,8 @@ stalls, kernel overheads, transfers slowing each other). ``--fit`` searches
 both for the smallest worst-row error over the rows it compiles; setting them
 from its output is a choice made here by hand, not per row.
 
-Results: step time (``t`` at the end of the entry computation), compute time,
+Results: step time (``t`` at the end of the entry computation), compute time
+(also split into terms: ``compute_terms``),
 communication (the transfer time of all collectives), exposed communication
 (time the clock waited for collectives), and per asynchronous pair the compute
 scheduled between start and done. launch/aot.py turns the step time into a
@@ -437,6 +438,7 @@ class Timeline:
   flops: float = 0.0
   hbm_bytes: float = 0.0
   by_kind: dict = dataclasses.field(default_factory=dict)  # collective -> [count, seconds]
+  by_term: dict = dataclasses.field(default_factory=dict)  # compute term -> seconds
 
   def add(self, other: 'Timeline', times: float) -> None:
     for f in ('seconds', 'compute', 'comm', 'exposed_comm', 'exposed_dma', 'flops', 'hbm_bytes'):
@@ -445,6 +447,8 @@ class Timeline:
       mine = self.by_kind.setdefault(k, [0, 0.0])
       mine[0] += times * n
       mine[1] += times * s
+    for k, s in other.by_term.items():
+      self.by_term[k] = self.by_term.get(k, 0.0) + times * s
 
   def count(self, kind: str, seconds: float) -> None:
     mine = self.by_kind.setdefault(kind, [0, 0.0])
@@ -463,6 +467,7 @@ class Result:
   flops: float                # matmul FLOPs per chip per step, loops counted
   hbm_bytes: float
   collectives: dict           # kind -> {'count', 'seconds'} per step
+  compute_terms: dict         # compute_term() -> seconds per step; they sum to compute
   pairs: list[dict]           # asynchronous collectives: start, done, what runs between
   warnings: list[str]
 
@@ -552,6 +557,8 @@ class _Model:
     tl.compute += c
     tl.flops += f
     tl.hbm_bytes += b
+    for term, seconds in compute_terms(ins.op_name, f / self.chip.matmul_rate, c):
+      tl.by_term[term] = tl.by_term.get(term, 0.0) + seconds
     return c, f
 
   def _collective_seconds(self, ins: Instr, coll: Instr, shapes,
@@ -664,6 +671,22 @@ class _Model:
 
 
 
+COMPUTE_TERMS = ('matmul at MXU rate', 'matmul HBM-bound excess', 'non-matmul')
+
+
+def compute_terms(op_name: str, mxu_seconds: float, seconds: float) -> list[tuple[str, float]]:
+  """One instruction's compute time split into terms, each ``(where, term)``: where is
+  ``ring`` for instructions of a decomposed collective einsum (their op_name names
+  ``collective_einsum``), else ``plain``; the terms are its matmul FLOPs at the MXU rate,
+  the time its HBM traffic takes beyond that (memory-bound matmuls), or all of it for an
+  instruction with no matmul (elementwise work, copies, reductions, updates)."""
+  where = 'ring' if 'collective_einsum' in op_name else 'plain'
+  if not mxu_seconds:
+    return [(f'{where}: {COMPUTE_TERMS[2]}', seconds)]
+  return [(f'{where}: {COMPUTE_TERMS[0]}', mxu_seconds),
+          (f'{where}: {COMPUTE_TERMS[1]}', seconds - mxu_seconds)]
+
+
 def _carrier(ins: Instr, by_name: dict[str, Instr], pending: dict) -> str | None:
   """The pending async start a ``*-done`` waits for (through tuple elements and
   async updates)."""
@@ -719,4 +742,4 @@ def analyze(text: str, chip: Chip, coords=None) -> Result:
   return Result(tl.seconds, tl.compute, tl.comm, tl.exposed_comm, tl.exposed_dma, tl.flops,
                 tl.hbm_bytes, {k: {'count': n, 'seconds': s} for k, (n, s) in
                                sorted(tl.by_kind.items())},
-                model.pairs, model.warnings)
+                dict(sorted(tl.by_term.items())), model.pairs, model.warnings)

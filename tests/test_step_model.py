@@ -22,7 +22,7 @@ HAND_BUILT = """HloModule hand, is_scheduled=true, num_partitions=4
   %x = bf16[64,128]{1,0} get-tuple-element(%loop), index=1
   %w = bf16[128,256]{1,0} get-tuple-element(%loop), index=2
   %cp-start = (bf16[64,128]{1,0}, bf16[64,128]{1,0}, u32[], u32[]) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, metadata={op_name="collective_einsum/ring"}
-  %mm = bf16[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul
+  %mm = bf16[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul, metadata={op_name="collective_einsum/ring/dot_general"}
   %cp-done = bf16[64,128]{1,0} collective-permute-done(%cp-start)
   %one = s32[] constant(1)
   %next = s32[] add(%i, %one)
@@ -73,6 +73,22 @@ def test_hand_built_schedule():
   assert pair['einsums_between'] == ['mm']
   assert pair['compute_between_us'] == pytest.approx(matmul * 1e6)
   assert pair['exposed_us'] == pytest.approx((permute - matmul) * 1e6)
+
+
+def test_compute_terms_split_the_compute():
+  r = step_model.analyze(HAND_BUILT, CHIP)
+  matmul = 2 * 64 * 256 * 128 / 1e12
+  other = 3 * (4 + 4 + 4) / 1e11 + 4 * (4 + 4 + 1) / 1e11  # the loop counter and condition
+  assert r.compute_terms == {'ring: matmul at MXU rate': pytest.approx(3 * matmul),
+                             'ring: matmul HBM-bound excess': 0,
+                             'plain: non-matmul': pytest.approx(other)}
+  # With slow HBM the matmul is memory-bound: the excess is what its bytes add.
+  slow_hbm = step_model.Chip('slow_hbm', peak_flops=1e12, hbm_bandwidth=1e10,
+                             link_bandwidth=1e9, ring_links=1, step_latency=0.0)
+  r = step_model.analyze(HAND_BUILT, slow_hbm)
+  moved = (64 * 128 + 128 * 256 + 64 * 256) * 2 / 1e10
+  assert r.compute_terms['ring: matmul HBM-bound excess'] == pytest.approx(3 * (moved - matmul))
+  assert sum(r.compute_terms.values()) == pytest.approx(r.compute_seconds)
 
 
 def test_compute_hides_the_transfer_when_it_is_longer():
@@ -218,7 +234,7 @@ ENTRY %main (x: bf16[64,128], w: bf16[128,256]) -> bf16[256,128] {
   %s0 = bf16[64,128]{1,0} get-tuple-element(%start), index=0
   %done = bf16[256,128]{1,0} fusion(%s0), kind=kCustom, calls=%ag_done
   %ags = ((bf16[64,128]{1,0}), bf16[256,128]{1,0}, u32[]) async-start(%x), calls=%wrapped
-  %mm = bf16[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul
+  %mm = bf16[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul, metadata={op_name="collective_einsum/ring/dot_general"}
   ROOT %agd = bf16[256,128]{1,0} async-done(%ags)
 }
 """
