@@ -70,6 +70,10 @@ class TransformerConfig:
   dtype: str = 'float32'  # compute dtype
   param_dtype: str = 'float32'
   scan_layers: bool = False
+  # Layers per iteration of the layer scan: with 2, the compiler schedules the second
+  # layer's weight gathers during the first layer's compute (a gather at the top of a
+  # scan iteration has nothing before it to hide behind).
+  scan_unroll: int = 1
   remat: str = 'none'  # one of REMAT_POLICIES
   attention: str = 'xla'      # one of ATTENTION
   attention_block: int = 512  # key positions per block of 'blockwise' and 'splash'
@@ -95,6 +99,10 @@ class TransformerConfig:
     if self.scan_layers and self.num_layers % self.layers_per_unit:
       raise ValueError(f'model.scan_layers needs model.num_layers={self.num_layers} to be a '
                        f'multiple of moe.every={self.moe.every}')
+    units = self.num_layers // self.layers_per_unit
+    if self.scan_unroll < 1 or (self.scan_layers and units % self.scan_unroll):
+      raise ValueError(f'model.scan_unroll={self.scan_unroll} does not divide the '
+                       f'{units} scanned units (positive, a divisor of model.num_layers)')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'model.num_heads={self.num_heads} is not a multiple of '
                        f'model.num_kv_heads={self.num_kv_heads}')
@@ -444,7 +452,8 @@ class Transformer(nnx.Module):
       def body(carry, s):
         x, aux = apply(graphdef, s, carry[0])
         return (x, add(carry[1], aux)), None
-      (x_btd, total), _ = jax.lax.scan(body, (x_btd, total), state)
+      (x_btd, total), _ = jax.lax.scan(body, (x_btd, total), state,
+                                       unroll=self.cfg.scan_unroll)
       return x_btd, total
     for block in self.blocks:
       graphdef, state = nnx.split(block)

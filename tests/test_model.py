@@ -66,8 +66,9 @@ def test_packed_documents_do_not_attend_across_boundaries():
   np.testing.assert_allclose(alone, a[:, 6:], rtol=1e-5, atol=1e-5)
 
 
-def test_scanned_equals_unrolled():
-  looped, scanned = _model(), _model(scan_layers=True)
+@pytest.mark.parametrize('unroll', [1, 2])
+def test_scanned_equals_unrolled(unroll):
+  looped, scanned = _model(), _model(scan_layers=True, scan_unroll=unroll)
   src, dst = nnx.state(looped), nnx.state(scanned)
   for key in list(dst.keys()):
     dst[key] = src[key]
@@ -76,6 +77,17 @@ def test_scanned_equals_unrolled():
   nnx.update(scanned, dst)
   tokens = _tokens()
   np.testing.assert_allclose(looped(tokens), scanned(tokens), rtol=1e-5, atol=1e-5)
+
+
+
+def test_scan_unroll_puts_two_blocks_in_the_loop_body():
+  def program(unroll):
+    model = _model(num_layers=4, scan_layers=True, scan_unroll=unroll)
+    return jax.jit(lambda t: model(t)).lower(_tokens()).compile().as_text()
+  one, two = program(1), program(2)
+  assert one.count(' while(') == two.count(' while(') == 1
+  per_block = two.count(' dot(') - one.count(' dot(')  # the body's second block
+  assert per_block >= 5 and one.count(' dot(') > per_block
 
 
 def test_fused_projections_compute_the_same_model():
@@ -120,6 +132,8 @@ def test_bad_model_config():
     _model(num_kv_heads=3)
   with pytest.raises(ValueError, match="remat='some'"):
     _model(remat='some')
+  with pytest.raises(ValueError, match='scan_unroll=3 does not divide the 2 scanned units'):
+    _model(scan_layers=True, scan_unroll=3)
 
 
 def _grad_and_dots(remat, fused):

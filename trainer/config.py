@@ -62,6 +62,8 @@ class Model:
                                'accelerators; a CPU has no native bf16)')
   param_dtype: str = _key('float32', 'parameter / master-weight dtype')
   scan_layers: bool = _key(False, '`jax.lax.scan` over layers (compile time of deep models)')
+  scan_unroll: int = _key(1, 'layers per iteration of that scan (2: the compiler can gather '
+                             'the next layer\'s weights during this one\'s compute)')
   remat: str = _key('none', 'recompute activations: none | full (keep each block\'s input '
                             'only) | dots (keep projection outputs; `minimal`, MaxText\'s name) | '
                             'save_dot_except_mlp (keep the attention projections\' outputs, '
