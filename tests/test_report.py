@@ -31,6 +31,6 @@ def test_the_mfu_target_names_the_step_it_needs():
   assert 'ours 62.5%, not met' in line
   assert f'a step of {useful / 0.72:.3f} s or less' in line
   assert 'compute alone is 7.600 s (65.8% with no communication exposed)' in line
-  assert "matmul FLOPs are 1.25x the model's (remat `full`" in line
+  assert "matmul FLOPs are 1.25x the model's (with what remat `full` recomputes)" in line
   assert 'its exposed communication (0.400 s)' in line
   assert report.render_mfu_target({}) == []
