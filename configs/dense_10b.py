@@ -36,5 +36,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 32
   c.mesh.tensor = 1
   c.model.remat = 'minimal'
+  c.model.scan_unroll = 1  # two layers per iteration: 1.257 s per step against 1.210 (modeled)
   c.aot.topology = 'v4:4x4x8'      # the slice launch.aot compiles for (--topology overrides)
   return c

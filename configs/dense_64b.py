@@ -3,7 +3,8 @@ r"""A ~64B-parameter dense decoder (Llama-style) on 512 TPU v4 chips.
 63.96B parameters: 80 scanned blocks, d_model 8192, 64 query heads of 128 over
 8 key/value heads, SwiGLU 26112, vocabulary 32768, untied embeddings. Mesh
 fsdp=64 x tensor=8 on a v4:8x8x8 slice, global batch 256 x 2048 tokens, bf16
-compute over fp32 master weights and AdamW state, full remat.
+compute over fp32 master weights and AdamW state, remat save_dot_except_mlp,
+two layers per scan iteration (both from dense_500b).
 
 Nothing here runs on this machine's CPU; compile it for the TPU slice ahead of
 time (needs the tpu extra) and read memory fit and the modeled step time:
