@@ -390,6 +390,10 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
                    f"{m['communication_seconds']:8.3f} "
                    f"{m['exposed_communication_seconds']:14.3f} {m['mfu']:11.1%} {speed:>15s}")
     lines.append('  (modeled speedup = baseline modeled step time / variant modeled step time)')
+    lines += ['', 'modeled compute by term (s; ring: instructions of decomposed einsums):']
+    lines += [f"  {name:{w}s} " + ', '.join(f'{term} {sec:.3f}' for term, sec in
+                                         m.get('compute_terms', {}).items() if sec)
+              for name, m in s['modeled'].items()]
     lines.append(f'  step model calibration: {step_model.calibration_summary()} '
                  '(docs/calibration.md)')
   p = s['paper']

@@ -90,6 +90,13 @@ def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
     assert m['step_seconds'] > 0 and 0 < m['mfu'] < 1 and m['warnings'] == []
   assert s['modeled']['baseline']['speedup_vs_baseline'] == 1
   assert '[2/2] ours: done' in proc.stderr
+  # Compute by term: ours' rings are named, the baseline has none; the terms sum to compute.
+  terms = {n: s['modeled'][n]['compute_terms'] for n in ('baseline', 'ours')}
+  assert terms['ours']['ring: matmul at MXU rate'] > 0
+  assert not any(t.startswith('ring:') and v for t, v in terms['baseline'].items())
+  for name in ('baseline', 'ours'):
+    assert sum(terms[name].values()) == pytest.approx(s['modeled'][name]['compute_seconds'])
+  assert 'modeled compute by term' in aot.text_report(s)
 
 
 def test_search_grid_prunes_by_checks_and_memory():
