@@ -251,7 +251,7 @@ def render_terms(aot: dict) -> list[str]:
 
 
 def _term(m: dict, where: str, term: str) -> float:
-  return m.get('compute_terms', {}).get(f'{where}: {term}', 0.0)
+  return m.get('compute_terms', {}).get(step_model.term_key(where, term), 0.0)
 
 
 def render_compute_terms(aot: dict) -> list[str]:
@@ -265,9 +265,9 @@ def render_compute_terms(aot: dict) -> list[str]:
     diff = lambda term, wheres=('ring', 'plain'): sum(
         _term(ours, w, term) - _term(base, w, term) for w in wheres)
     rows.append([name, f"{ours['compute_seconds'] - base['compute_seconds']:+.3f}",
-                 f"{diff('matmul at MXU rate'):+.3f}", f"{diff('matmul HBM-bound excess'):+.3f}",
-                 f"{_term(ours, 'ring', 'non-matmul'):.3f}",
-                 f"{diff('non-matmul', ('plain',)):+.3f}"])
+                 f"{diff(step_model.MXU):+.3f}", f"{diff(step_model.HBM_EXCESS):+.3f}",
+                 f"{_term(ours, 'ring', step_model.NON_MATMUL):.3f}",
+                 f"{diff(step_model.NON_MATMUL, ('plain',)):+.3f}"])
   if not rows:
     return []
   return ['Where ours\' compute differs from the baseline\'s (modeled, seconds per step, ours '

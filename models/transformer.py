@@ -102,7 +102,7 @@ class TransformerConfig:
     units = self.num_layers // self.layers_per_unit
     if self.scan_unroll < 1 or (self.scan_layers and units % self.scan_unroll):
       raise ValueError(f'model.scan_unroll={self.scan_unroll} does not divide the '
-                       f'{units} scanned units (positive, a divisor of model.num_layers)')
+                       f'{units} scanned units (model.num_layers / the layers per unit)')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'model.num_heads={self.num_heads} is not a multiple of '
                        f'model.num_kv_heads={self.num_kv_heads}')

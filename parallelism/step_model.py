@@ -672,6 +672,13 @@ class _Model:
 
 
 COMPUTE_TERMS = ('matmul at MXU rate', 'matmul HBM-bound excess', 'non-matmul')
+MXU, HBM_EXCESS, NON_MATMUL = COMPUTE_TERMS
+
+
+def term_key(where: str, term: str) -> str:
+  """The ``compute_terms`` key of ``term`` (one of COMPUTE_TERMS) for ``where`` ('ring' or
+  'plain')."""
+  return f'{where}: {term}'
 
 
 def compute_terms(op_name: str, mxu_seconds: float, seconds: float) -> list[tuple[str, float]]:
@@ -682,9 +689,9 @@ def compute_terms(op_name: str, mxu_seconds: float, seconds: float) -> list[tupl
   instruction with no matmul (elementwise work, copies, reductions, updates)."""
   where = 'ring' if 'collective_einsum' in op_name else 'plain'
   if not mxu_seconds:
-    return [(f'{where}: {COMPUTE_TERMS[2]}', seconds)]
-  return [(f'{where}: {COMPUTE_TERMS[0]}', mxu_seconds),
-          (f'{where}: {COMPUTE_TERMS[1]}', seconds - mxu_seconds)]
+    return [(term_key(where, NON_MATMUL), seconds)]
+  return [(term_key(where, MXU), mxu_seconds),
+          (term_key(where, HBM_EXCESS), seconds - mxu_seconds)]
 
 
 def _carrier(ins: Instr, by_name: dict[str, Instr], pending: dict) -> str | None:
