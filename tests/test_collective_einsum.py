@@ -12,8 +12,8 @@ from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib
-from parallelism.collective_einsum import (collective_einsum, explain, local_elements,
-                                          run_decision)
+from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
+                                          explain, local_elements, run_decision)
 
 T, D = 'tensor', 'data'
 # (equation, lhs spec, rhs spec, out spec, expected kind); T is decomposed.
@@ -481,3 +481,21 @@ def test_weight_gradient_ring_over_fsdp_matches_einsum(mode):
     assert sum(o != 0 for o in hlo_text.permute_offsets(module, mesh, F)) == permutes
     over = hlo_text.collectives_over(module, mesh, F)
     assert any(re.match(r'(reduce.scatter|all.reduce)', n) for n in over) == reduced, over
+
+
+def test_operands_gathered_along_their_minor_dim_come_first():
+  # mlp.down's weight [f, d] is gathered over fsdp along d, its minor dim: the ring takes
+  # it as [d, f] (transposed as a local shard, before the gather). Its weight gradient's
+  # ring gathers nothing; a ring that gathers a major dim keeps its operands.
+  mesh = _mesh(2, data=1)
+  eq, ls, rs, os_ = DOWN
+  x, w = jnp.zeros((8, 4, 16)), jnp.zeros((16, 8))
+  cfg = _Static(eq, mesh, ls, rs, os_, T, True, 1, backward_over=(None, (F, 'bidirectional')))
+  moved, _, w_moved = _gathered_dims_major(cfg, x, w)
+  assert moved.equation == 'btf,df->btd' and moved.rhs_spec == P(F, T)
+  assert w_moved.shape == (8, 16)
+  grad = cfg.transposed('rhs')
+  assert _gathered_dims_major(grad, x, jnp.zeros((8, 4, 8)))[0] is grad
+  eq, ls, rs, os_, _ = PATTERNS[0]
+  cfg = _Static(eq, mesh, ls, rs, os_, T, True, 1)
+  assert _gathered_dims_major(cfg, x, w)[0] is cfg

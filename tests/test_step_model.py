@@ -339,3 +339,20 @@ ENTRY %main (x: bf16[64,128], i: s32[], w: bf16[32,256]) -> bf16[64,256] {
   module = hlo_text.parse(whole)
   [y] = [i for i in module.computations[module.entry] if i.name == 'y']
   assert step_model._Costs(module).instr_bytes(y, module.entry) == 64 * 128 * 2 + 4 + w + out
+
+
+def test_an_allocated_buffer_costs_no_traffic():
+  # lax.empty on TPU (an all-gather ring's output, before its blocks are written in): a
+  # custom-call AllocateBuffer, which writes nothing; a copy of it reads and writes.
+  text = """HloModule empty, is_scheduled=true, num_partitions=1
+
+ENTRY %main () -> bf16[64,128] {
+  %buf = bf16[64,128]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %c = bf16[64,128]{1,0} copy(%buf)
+}
+"""
+  module = hlo_text.parse(text)
+  costs = step_model._Costs(module)  # pylint: disable=protected-access
+  buf, copy = module.computations[module.entry]
+  assert costs.instr_bytes(buf, module.entry) == 0
+  assert costs.instr_bytes(copy, module.entry) == 2 * 64 * 128 * 2
