@@ -446,8 +446,8 @@ def _gathered_dims_major(cfg: _Static, lhs, rhs):
 
   Gathered along its minor dimension, the TPU compiler's all-gather wrote the weight
   transposed in memory and the ring's loop then copied it to the other layout
-  (dense_500b: 335 MB a layer and pass, 0.11 s a step, modeled); transposed first, the
-  transpose is the local shard's, before the gather, and the gathered blocks are
+  (dense_500b: 335 MB a layer and pass; ours 8.239 -> 8.173 s a step, modeled); transposed
+  first, the transpose is the local shard's, before the gather, and the gathered blocks are
   contiguous. (Moving the dimension a weight gradient's ring slices made no difference:
   the compiler transposes its operand whole either way.)
   """

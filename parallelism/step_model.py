@@ -283,7 +283,7 @@ class _Costs:
     if op == 'custom-call' and re.search(r'custom_call_target="\w*Bitcast"', ins.attrs):
       return 0.0  # reinterprets buffers the async slices already wrote
     if op == 'custom-call' and 'custom_call_target="AllocateBuffer"' in ins.attrs:
-      return 0.0  # lax.empty: a buffer, not written
+      return 0.0  # an allocation (lax.empty's, and the compiler's own): nothing written
     return sum(operand(i) for i in range(len(ins.operands))) + shape_bytes(ins.shape)
 
   def _fusion_bytes(self, ins: Instr, comp: str) -> float:
