@@ -455,11 +455,10 @@ def _gathered_dims_major(cfg: _Static, lhs, rhs):
   hoisted = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
   letters, specs, ops = [eq.lhs, eq.rhs], [cfg.lhs_spec, cfg.rhs_spec], [lhs, rhs]
   for i, kept in enumerate(hoisted):
-    pad = lambda spec: tuple(spec) + (None,) * (len(letters[i]) - len(spec))
-    full, kept = pad(specs[i]), pad(kept)
-    if len(letters[i]) > 1 and einsum_plan.axes_of(full[-1]) != einsum_plan.axes_of(kept[-1]):
-      letters[i] = letters[i][-1] + letters[i][:-1]
-      specs[i] = PartitionSpec(full[-1], *full[:-1])
+    axes, last = einsum_plan.letter_axes(letters[i], specs[i]), letters[i][-1]
+    if len(letters[i]) > 1 and axes[last] != einsum_plan.letter_axes(letters[i], kept)[last]:
+      letters[i] = last + letters[i][:-1]
+      specs[i] = PartitionSpec(*map(einsum_plan.spec_entry, (axes[l] for l in letters[i])))
       ops[i] = jnp.moveaxis(ops[i], -1, 0)
   if letters == [eq.lhs, eq.rhs]:
     return cfg, lhs, rhs
