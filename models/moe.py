@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from models.ops import Ops, param
 
@@ -141,8 +142,8 @@ class MoeMlp(nnx.Module):
   def __call__(self, x_btd: jax.Array, residual_axes) -> tuple[jax.Array, dict]:
     ops, dt = self.ops, jnp.dtype(self.dtype)
     x_btd = ops.constrain(x_btd, ('batch', 'length', 'embed'))
-    logits = jnp.einsum('btd,de->bte', x_btd, self.router_de[...].astype(dt),
-                        preferred_element_type=jnp.float32)
+    logits = checkpoint_name(jnp.einsum('btd,de->bte', x_btd, self.router_de[...].astype(dt),
+                                        preferred_element_type=jnp.float32), 'moe_router')
     r = route(logits, self.moe.top_k, self.moe.capacity(x_btd.shape[1]))
     x_becd = ops.constrain(jnp.einsum('btd,btec->becd', x_btd, r.dispatch_btec.astype(dt)),
                            DISPATCHED)

@@ -30,18 +30,29 @@ from models.attention import attend_blockwise, attend_cudnn, attend_splash
 from models.moe import MoeConfig, MoeMlp, zero_aux
 from models.ops import Ops, param
 
-# 'minimal' is MaxText's name for 'dots': keep the projections' outputs (dots
-# without batch dimensions), recompute the rest (norms, attention, activations).
+# The projections' outputs, named where each is made (q/k/v or the fused qkv, the
+# attention output, the MLP's gate/up and down, the MoE router's logits).
+_ATTENTION_PROJECTIONS = ('qkv_proj', 'query_proj', 'key_proj', 'value_proj', 'out_proj')
+_PROJECTIONS = _ATTENTION_PROJECTIONS + ('mlp_gate_up', 'mlp_gate', 'mlp_up', 'mlp_down',
+                                         'moe_router')
+
+# 'minimal' is MaxText's name for 'dots': keep the projections' outputs, recompute the
+# rest (norms, attention, activations). They are kept by name rather than as "dots
+# without batch dimensions" (jax's checkpoint_dots_with_no_batch_dims, which keeps the
+# same tensors of a plain program): in a decomposed ring that policy keeps each ring
+# step's dot instead, a stack of blocks (for a reduce-scatter ring, one output-sized
+# partial sum per step) that the backward pass re-slices; by name, the ring's whole
+# output is kept once.
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    'minimal': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    # MaxText's name: keep the attention projections' outputs (q/k/v and the output
-    # projection, named below), recompute the MLP. The backward pass then repeats
-    # no attention projection (nor its collectives) for a fraction of 'minimal''s memory.
+    'dots': jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
+    'minimal': jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
+    # MaxText's name: keep the attention projections' outputs, recompute the MLP. The
+    # backward pass then repeats no attention projection (nor its collectives) for a
+    # fraction of 'minimal''s memory.
     'save_dot_except_mlp': jax.checkpoint_policies.save_only_these_names(
-        'qkv_proj', 'query_proj', 'key_proj', 'value_proj', 'out_proj'),
+        *_ATTENTION_PROJECTIONS),
 }
 
 
@@ -279,16 +290,18 @@ class Mlp(nnx.Module):
       both = ops.einsum('btd,sdf->btsf', x_btd, jnp.stack([gate, up]), x_axes=RESIDUAL,
                         w_axes=(None, 'embed', 'mlp'), out_axes=('batch', 'length', None, 'mlp'),
                         name=f'{self.path}.gate_up')
+      both = checkpoint_name(both, 'mlp_gate_up')
       gated, upped = both[:, :, 0], both[:, :, 1]
     else:
       proj = lambda w, name: ops.einsum('btd,df->btf', x_btd, w, x_axes=RESIDUAL,
                                         w_axes=('embed', 'mlp'), out_axes=hid,
                                         name=f'{self.path}.{name}')
-      gated, upped = proj(gate, 'gate'), proj(up, 'up')
+      gated, upped = (checkpoint_name(proj(w, n), f'mlp_{n}') for w, n in
+                      ((gate, 'gate'), (up, 'up')))
     h_btf = jax.nn.silu(gated) * upped
-    return ops.einsum('btf,fd->btd', h_btf, self.down_fd[...].astype(dt),
-                      x_axes=hid, w_axes=('mlp', 'embed'), out_axes=RESIDUAL,
-                      name=f'{self.path}.down')
+    return checkpoint_name(ops.einsum(
+        'btf,fd->btd', h_btf, self.down_fd[...].astype(dt), x_axes=hid,
+        w_axes=('mlp', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.down'), 'mlp_down')
 
 
 class Block(nnx.Module):

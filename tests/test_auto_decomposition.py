@@ -6,6 +6,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -104,3 +105,23 @@ def test_the_plan_is_made_before_tracing_and_tracing_changes_nothing(setups):
     ops.policy = None
   with pytest.raises(TypeError):
     ops.plan['unembed'] = None
+
+
+def test_minimal_remat_keeps_the_same_tensors_decomposed_or_not(tmp_path, capsys):
+  """'minimal' keeps each projection's output by name: a ring's whole output, as a
+  plain einsum's, not each ring step's block (jax's dots policy keeps those)."""
+  saved = {}
+  for policy in ('never', 'always'):
+    run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}',
+               '--config.model.remat=minimal', '--config.model.scan_layers=true')
+    s = loop.setup(run)
+    batch = s.get_batch(0)
+
+    def blocks(params, x_btd, s=s, batch=batch):
+      model = nnx.merge(s.graphdef, params)
+      return model._run_blocks(x_btd, batch['positions'], batch['segments'])[0].sum()
+    x_btd = jnp.zeros((*batch['inputs'].shape, run.cfg.model.d_model))
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(blocks, s.state.params, x_btd)
+    saved[policy] = sorted(capsys.readouterr().out.splitlines())
+  assert len(saved['never']) > 2 and saved['always'] == saved['never'], saved
