@@ -29,10 +29,10 @@ def _losses(workdir):
 
 
 @pytest.mark.parametrize('layout', [[], ['--config.model.scan_layers=true',
-                                         '--config.model.remat=full'],
-                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2'],
-                                    ['--config.model.fused_projections=true']],
-                         ids=['layers', 'scanned+remat', 'fsdp+tensor', 'fused'])
+                                         '--config.model.remat=minimal'],
+                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2',
+                                     '--config.model.fused_projections=true']],
+                         ids=['layers', 'scanned+remat', 'fsdp+tensor+fused'])
 def test_always_trains_like_never(tmp_path, layout):
   steps = 20 if not layout else 5
   common = [f'--config.steps={steps}', '--config.log_every=1', '--config.eval_every=0', *layout]

@@ -45,20 +45,9 @@ def _losses(workdir):
     return {r['step']: r['loss'] for r in map(json.loads, f) if 'loss' in r}
 
 
-def test_two_processes_train_like_one(tmp_path):
-  code, out = _launch(tmp_path / 'two', '--config.steps=5')
-  assert code == 0, out
-  assert '(2 process(es))' in out and '[p1]' in out
-  assert os.path.exists(tmp_path / 'two' / 'logs' / 'process_1.log')
-  code, out = _single(tmp_path / 'one', '--config.steps=5')
-  assert code == 0, out
-  two, one = _losses(tmp_path / 'two'), _losses(tmp_path / 'one')
-  assert list(two) == [1, 2, 3, 4, 5]
-  np.testing.assert_allclose([two[s] for s in two], [one[s] for s in two], rtol=1e-5)
-
-
 def test_checkpoints_move_between_two_processes_and_one(tmp_path):
-  """On a prepared corpus: its shuffled batches continue where the other run stopped."""
+  """Two processes train like one, and on a prepared corpus each run's checkpoint resumes in
+  the other, its shuffled batches continuing where the other run stopped."""
   from trainer import data, prepare  # pylint: disable=import-outside-toplevel
   corpus = str(tmp_path / 'corpus')
   assert prepare.main(['--input', *data.default_corpus_files()[:40], '--output', corpus,
@@ -66,6 +55,8 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
   steps = ['--config.steps=6', '--config.checkpoint.every=3', f'--config.data.path={corpus}']
   code, out = _launch(tmp_path / 'a', *steps, '--config.stop_after=3')
   assert code == 0, out
+  assert '(2 process(es))' in out and '[p1]' in out
+  assert os.path.exists(tmp_path / 'a' / 'logs' / 'process_1.log')
   code, out = _single(tmp_path / 'a', *steps)  # written by 2 processes, resumed by 1
   assert code == 0 and 'resuming from step 3' in out, out
   code, out = _single(tmp_path / 'b', *steps, '--config.stop_after=3')
@@ -73,7 +64,7 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
   code, out = _launch(tmp_path / 'b', *steps)  # written by 1 process, resumed by 2
   assert code == 0 and 'resuming from step 3' in out, out
   a, b = _losses(tmp_path / 'a'), _losses(tmp_path / 'b')
-  assert list(a) == list(b) == list(range(1, 7))
+  assert list(a) == list(b) == list(range(1, 7))  # steps 1-3: two processes (a), one (b)
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
   directory = checkpoint.directory_of(tmp_path / 'a')
   assert checkpoint.complete_steps(directory)[-1] == 6
