@@ -25,7 +25,7 @@ from configs import dense_500b
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = dense_500b.get_config()  # batch, bf16 compute, scan, remat, optimizer, tpu_v4
+  c = dense_500b.get_config()  # batch, bf16 compute, scan, optimizer, tpu_v4
   c.model.d_model = 5120
   c.model.num_layers = 32
   c.model.num_heads = 40

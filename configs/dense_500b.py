@@ -4,9 +4,9 @@ r"""A ~500B-parameter dense decoder (Llama-style) on 1024 TPU v4 chips.
 over 16 key/value heads, SwiGLU 65536, vocabulary 32768, untied embeddings.
 Mesh fsdp=128 x tensor=8 on a v4:8x8x16 slice, global batch 256 x 2048
 tokens, bf16 compute over fp32 master weights and AdamW state, remat
-save_dot_except_mlp (the attention projections' outputs kept, the MLP
-recomputed), two layers per scan iteration, splash attention, fused q/k/v
-and gate/up projections.
+save_dot_except_qkv (every projection's output kept but q/k/v's, which the
+backward pass recomputes), one layer per scan iteration, splash attention,
+fused q/k/v and gate/up projections.
 The paper (Wang et al., ASPLOS 2023) reports 72% of peak FLOPS for a 500B
 model on 1024 TPU v4 chips.
 
@@ -44,10 +44,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = 'bfloat16'       # compute
   c.model.param_dtype = 'float32'  # master weights (and AdamW moments)
   c.model.scan_layers = True       # one compiled block, not 100
-  # Keep the attention projections' outputs, recompute the MLP: the backward pass repeats
-  # no attention ring, for 4.6 GiB per chip more than 'full' ('minimal' does not fit).
-  c.model.remat = 'save_dot_except_mlp'
-  c.model.scan_unroll = 2          # the second layer's weight gathers hide behind the first
+  # Keep every projection's output but q/k/v's: the backward pass repeats only the q/k/v
+  # projections (no MLP), and it fits with one layer per scan iteration (30.46 GiB per chip
+  # for ours, modeled 7.744 s; 'minimal', or two layers per iteration, does not fit;
+  # 'save_dot_except_mlp' with two fits at 21.30 GiB, 8.086 s; docs/paper_scale.md).
+  c.model.remat = 'save_dot_except_qkv'
+  c.model.scan_unroll = 1
   c.model.attention = 'splash'     # the Pallas splash kernel, as MaxText on TPU
   c.model.fused_projections = True  # one einsum (and one ring) for q/k/v, one for gate/up
 

@@ -20,7 +20,7 @@ from configs import dense_500b
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = dense_500b.get_config()  # batch, bf16 compute, scan, remat, optimizer, tpu_v4
+  c = dense_500b.get_config()  # batch, bf16 compute, scan, optimizer, tpu_v4
   c.model.d_model = 8192
   c.model.num_layers = 80
   c.model.num_heads = 64
@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 26112
   c.optimizer.learning_rate = 1.5e-4
   c.model.remat = 'minimal'        # fits at 64B, and no recomputed MLP (500B: does not fit)
+  c.model.scan_unroll = 2          # the second layer's weight gathers hide behind the first
   c.mesh.fsdp = 64
   c.mesh.tensor = 8
   c.aot.topology = 'v4:8x8x8'      # the slice launch.aot compiles for (--topology overrides)

@@ -53,6 +53,11 @@ REMAT_POLICIES = {
     # fraction of 'minimal''s memory.
     'save_dot_except_mlp': jax.checkpoint_policies.save_only_these_names(
         *_ATTENTION_PROJECTIONS),
+    # Keep the attention output projection's and the MLP's outputs, recompute q/k/v:
+    # nearly 'minimal''s step for less memory (q/k/v are the widest attention outputs).
+    'save_dot_except_qkv': jax.checkpoint_policies.save_only_these_names(
+        *(n for n in _PROJECTIONS if n not in ('qkv_proj', 'query_proj', 'key_proj',
+                                              'value_proj'))),
 }
 
 

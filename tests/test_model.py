@@ -148,13 +148,14 @@ def _grad_and_dots(remat, fused):
 
 @pytest.mark.parametrize('fused', [False, True])
 def test_remat_policies_recompute_less_and_agree(fused):
-  """'save_dot_except_mlp' keeps the attention projections, so its backward repeats
-  fewer dot products than 'full' and more than 'minimal'; every policy gives the same
-  gradient as none."""
+  """'save_dot_except_mlp' keeps the attention projections and 'save_dot_except_qkv'
+  all but q/k/v, so their backward passes repeat fewer dot products than 'full' and more
+  than 'minimal'; every policy gives the same gradient as none."""
   ref, none_dots = _grad_and_dots('none', fused)
   dots = {}
-  for remat in ('full', 'save_dot_except_mlp', 'minimal'):
+  for remat in ('full', 'save_dot_except_mlp', 'save_dot_except_qkv', 'minimal'):
     grad, dots[remat] = _grad_and_dots(remat, fused)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  grad, ref)
   assert dots['full'] > dots['save_dot_except_mlp'] > dots['minimal'] >= none_dots, dots
+  assert dots['full'] > dots['save_dot_except_qkv'] > dots['minimal'], dots

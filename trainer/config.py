@@ -67,7 +67,8 @@ class Model:
   remat: str = _key('none', 'recompute activations: none | full (keep each block\'s input '
                             'only) | dots (keep projection outputs; `minimal`, MaxText\'s name) | '
                             'save_dot_except_mlp (keep the attention projections\' outputs, '
-                            'recompute the MLP)')
+                            'recompute the MLP) | save_dot_except_qkv (keep all but the q/k/v '
+                            'projections\' outputs)')
   attention: str = _key('xla', 'xla (softmax over the whole [t, s] logits) | blockwise (keys in '
                                'blocks of `attention_block`, online softmax: same result, less '
                                'memory) | splash (the Pallas splash kernel, TPUs) | cudnn (flash '
