@@ -5,7 +5,7 @@ Sweeps a bounded grid of layouts for the config's model on the slice:
 * mesh sizes ``data x fsdp x tensor`` covering the chips (tensor and data
   powers of two, tensor at most 16, data at most 8);
 * tokens per chip: the config's batch, half and twice it;
-* remat: ``full``, ``save_dot_except_mlp`` and ``minimal``.
+* remat: ``full``, ``save_dot_except_mlp``, ``save_dot_except_qkv`` and ``minimal``.
 
 Candidates the slice cannot lay out (each mesh size a product of its physical
 axes) or the layout checks refuse (divisibility, as the trainer checks) are
@@ -24,8 +24,10 @@ gradient, ``16 N / (fsdp x tensor)``; saved activations, per layer and per
 token of a model-parallel group, ``2 d / tensor`` under ``full`` (the block's
 input, sequence-parallel), ``2 (2 d + q + k + v) / tensor`` under
 ``save_dot_except_mlp`` (with the q/k/v projections and the output projection's
-sequence-parallel output) and ``2 (q + k + v + o + 2 mlp + d) / tensor`` under
-``minimal`` (the projections' outputs); one layer's working set, four times
+sequence-parallel output), ``2 (2 d + 2 mlp) / tensor`` under
+``save_dot_except_qkv`` (the output projection's and gate/up's outputs) and
+``2 (q + k + v + o + 2 mlp + d) / tensor`` under ``minimal`` (the projections'
+outputs); one layer's working set, four times
 the larger of its MLP and attention activations; and the fp32 attention
 logits of one layer, ``3 x 4 heads/tensor x seq^2`` per sequence.
 """
@@ -62,7 +64,7 @@ class Layout:
             f'batch={self.batch_size} remat={self.remat}')
 
 
-REMATS = ('full', 'save_dot_except_mlp', 'minimal')
+REMATS = ('full', 'save_dot_except_mlp', 'save_dot_except_qkv', 'minimal')
 
 
 def grid(cfg, chips: int) -> list[Layout]:
@@ -88,6 +90,7 @@ def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int) -> flo
   kv = m.num_kv_heads * m.head_dim
   per_token = 2 * {'full': m.d_model,
                    'save_dot_except_mlp': 2 * m.d_model + heads + 2 * kv,
+                   'save_dot_except_qkv': 2 * m.d_model + 2 * m.mlp_dim,
                    'minimal': 2 * heads + 2 * kv + 2 * m.mlp_dim + m.d_model}[layout.remat] / t
   working = 4 * 2 * tokens * max(m.mlp_dim, heads + 2 * kv) / t
   logits = 3 * 4 * (m.num_heads / t) * seq_len ** 2 * layout.batch_size / (
@@ -97,12 +100,14 @@ def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int) -> flo
 
 def recompute_factor(model_cfg, remat: str) -> float:
   """Matmul FLOPs per step over the model's 6N: ``full`` repeats every forward
-  projection (4/3), ``save_dot_except_mlp`` only the MLP's, ``minimal`` little."""
+  projection (4/3), ``save_dot_except_mlp`` only the MLP's, ``save_dot_except_qkv``
+  only q/k/v's, ``minimal`` little."""
   m = model_cfg
-  attn = m.d_model * (2 * m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+  qkv = m.d_model * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+  attn = qkv + m.d_model * m.num_heads * m.head_dim
   mlp = 3 * m.d_model * m.mlp_dim
   return {'full': 4 / 3, 'save_dot_except_mlp': 1 + mlp / (attn + mlp) / 3,
-          'minimal': 1.05}[remat]
+          'save_dot_except_qkv': 1 + qkv / (attn + mlp) / 3, 'minimal': 1.05}[remat]
 
 
 def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chips: int,
