@@ -8,8 +8,8 @@ on a v4:8x8x16 slice: four experts live on each expert-axis slice, their
 weights sharded over fsdp (embed) and tensor (mlp); dense weights are sharded
 over fsdp and expert (embed) and tensor (heads, mlp), with the residual stream
 sequence-parallel over tensor. Global batch 1024 x 1024 tokens, bf16 compute
-over fp32 master weights and AdamW state, remat save_dot_except_mlp, two
-(dense + MoE) units per scan iteration, both from dense_500b.
+over fp32 master weights and AdamW state (from dense_500b), remat
+save_dot_except_mlp, two (dense + MoE) units per scan iteration.
 
 Each expert's 40 capacity slots are split over tensor (5 per device): the
 all-to-all moves only a device's own slots, and the experts' einsums gather the
