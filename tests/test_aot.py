@@ -20,7 +20,6 @@ SMALL = ['--config.mesh.data=1', '--config.mesh.fsdp=2', '--config.mesh.tensor=4
          '--config.model.num_heads=8', '--config.model.num_kv_heads=4',
          '--config.model.head_dim=64', '--config.model.mlp_dim=2048',
          '--config.model.vocab_size=1024', '--config.parallelism.collective_matmul=always']
-pytestmark = pytest.mark.xdist_group('libtpu')  # one libtpu process at a time (its lock)
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec('libtpu') is None,
     reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
