@@ -39,7 +39,7 @@ _PROJECTIONS = _ATTENTION_PROJECTIONS + ('mlp_gate_up', 'mlp_gate', 'mlp_up', 'm
 # 'minimal' is MaxText's name for 'dots': keep the projections' outputs, recompute the
 # rest (norms, attention, activations). They are kept by name rather than as "dots
 # without batch dimensions" (jax's checkpoint_dots_with_no_batch_dims, which keeps the
-# same tensors of a plain program): in a decomposed ring that policy keeps each ring
+# same tensors in a plain program): in a decomposed ring that policy keeps each ring
 # step's dot instead, a stack of blocks (for a reduce-scatter ring, one output-sized
 # partial sum per step) that the backward pass re-slices; by name, the ring's whole
 # output is kept once.
