@@ -32,8 +32,11 @@ install: $(TRAIN_STAMP)
 train: $(TRAIN_STAMP)
 	$(PY) -m trainer.train --config configs/default.py --workdir runs/default
 
+# Two pytest workers (pytest-xdist): most tests spend their time tracing and compiling on
+# one core.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 # 500 steps of the default config, synchronizing every step (see trainer/loop.py).
 soak: $(TRAIN_STAMP)

@@ -8,6 +8,9 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('RINGTRAIN_COMPILATION_CACHE', os.path.join(ROOT, '.cache', 'jax'))
 os.environ.pop('RINGTRAIN_CPU_DEVICES', None)
+# Tests that compile for a TPU ahead of time may run side by side (make test runs two
+# pytest workers): libtpu's one-process lock file guards a real chip, and here there is none.
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
 from trainer import runtime  # pylint: disable=wrong-import-position
 
