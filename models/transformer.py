@@ -30,11 +30,10 @@ from models.attention import attend_blockwise, attend_cudnn, attend_splash
 from models.moe import MoeConfig, MoeMlp, zero_aux
 from models.ops import Ops, param
 
-# The projections' outputs, named where each is made (q/k/v or the fused qkv, the
-# attention output, the MLP's gate/up and down, the MoE router's logits).
-_ATTENTION_PROJECTIONS = ('qkv_proj', 'query_proj', 'key_proj', 'value_proj', 'out_proj')
-_PROJECTIONS = _ATTENTION_PROJECTIONS + ('mlp_gate_up', 'mlp_gate', 'mlp_up', 'mlp_down',
-                                         'moe_router')
+# The projections' outputs, named where each is made: q/k/v (or the fused qkv), the
+# attention output, the MLP's gate/up and down, the MoE router's logits.
+_QKV = ('qkv_proj', 'query_proj', 'key_proj', 'value_proj')
+_MLP = ('mlp_gate_up', 'mlp_gate', 'mlp_up', 'mlp_down', 'moe_router')
 
 # 'minimal' is MaxText's name for 'dots': keep the projections' outputs, recompute the
 # rest (norms, attention, activations). They are kept by name rather than as "dots
@@ -46,19 +45,16 @@ _PROJECTIONS = _ATTENTION_PROJECTIONS + ('mlp_gate_up', 'mlp_gate', 'mlp_up', 'm
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
-    'minimal': jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
+    'dots': jax.checkpoint_policies.save_only_these_names(*_QKV, 'out_proj', *_MLP),
     # MaxText's name: keep the attention projections' outputs, recompute the MLP. The
     # backward pass then repeats no attention projection (nor its collectives) for a
     # fraction of 'minimal''s memory.
-    'save_dot_except_mlp': jax.checkpoint_policies.save_only_these_names(
-        *_ATTENTION_PROJECTIONS),
+    'save_dot_except_mlp': jax.checkpoint_policies.save_only_these_names(*_QKV, 'out_proj'),
     # Keep the attention output projection's and the MLP's outputs, recompute q/k/v:
     # nearly 'minimal''s step for less memory (q/k/v are the widest attention outputs).
-    'save_dot_except_qkv': jax.checkpoint_policies.save_only_these_names(
-        *(n for n in _PROJECTIONS if n not in ('qkv_proj', 'query_proj', 'key_proj',
-                                              'value_proj'))),
+    'save_dot_except_qkv': jax.checkpoint_policies.save_only_these_names('out_proj', *_MLP),
 }
+REMAT_POLICIES['minimal'] = REMAT_POLICIES['dots']
 
 
 # 'xla': softmax over the whole [t, s] logits, as XLA compiles it; 'blockwise': keys in
