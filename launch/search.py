@@ -12,10 +12,11 @@ axes) or the layout checks refuse (divisibility, as the trainer checks) are
 dropped; the rest get an **estimate** of their memory per chip (below) and are
 dropped when it is above the chip's usable HBM. The survivors are ranked by an
 analytical MFU (``modeled_mfu``: matmul time at peak with remat's recompute,
-overlapped with FSDP transfers, plus tensor-parallel activation transfers)
-and the best ``--max_compiles`` are compiled, each variant in its own process
-as ``launch.aot`` does, so a 500B search stays within about two hours on a
-2-core machine. Prints progress, then one table (layout, estimated and
+overlapped with the FSDP weight gathers, plus what the compiler leaves exposed:
+the gradients' reduce-scatter, tensor-parallel activation transfers and the
+data-parallel all-reduce) and the best ``--max_compiles`` are compiled, each
+variant in its own process as ``launch.aot`` does, so a 500B search stays within
+about two hours on a 2-core machine. Prints progress, then one table (layout, estimated and
 compiled GiB per chip, fit, modeled MFU of each variant) and the best layout
 per variant. Everything but the compiler's memory figures is modeled.
 
@@ -110,22 +111,6 @@ def recompute_factor(model_cfg, remat: str) -> float:
           'save_dot_except_qkv': 1 + qkv / (attn + mlp) / 3, 'minimal': 1.05}[remat]
 
 
-def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chips: int,
-                seq_len: int, profile: hardware.HardwareProfile) -> float:
-  """An analytical MFU to rank candidates: matmuls at peak with remat's recompute,
-  overlapped with the FSDP weight gathers and gradient reduce-scatters (bf16
-  weights, three passes), plus tensor-parallel activation transfers (4 per layer
-  forward, twice that backward), which nothing overlaps in the baseline."""
-  recompute = recompute_factor(model_cfg, layout.remat)
-  compute = model_flops * recompute / (chips * profile.peak_flops)
-  ring = lambda moved, n: step_model.ring_collective_seconds(
-      moved, [n], profile.link_bandwidth, profile.ring_links, profile.step_latency)
-  fsdp = ring(3 * 2 * params / layout.tensor, layout.fsdp)
-  tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
-  tp = ring(12 * model_cfg.num_layers * tokens * model_cfg.d_model * 2, layout.tensor)
-  return model_flops / (chips * profile.peak_flops * (max(compute, fsdp) + tp))
-
-
 def assignable(sizes, physical) -> bool:
   """Whether every mesh axis of ``sizes`` (in mesh order) is the product of some of the
   slice's ``physical`` axes not yet taken, as JAX builds a TPU device mesh (physical axes
@@ -139,6 +124,34 @@ def assignable(sizes, physical) -> bool:
       return False
     left = [d for i, d in enumerate(left) if i not in pick]
   return True
+
+
+# Tensor-parallel transfers per layer: forward, an all-gather before q/k/v and gate/up and a
+# reduce-scatter after the output and down projections; backward, their transposes; plus
+# the forward gathers that remat repeats.
+RECOMPUTED_GATHERS = {'full': 2, 'save_dot_except_mlp': 1, 'save_dot_except_qkv': 1,
+                      'minimal': 0}
+
+
+def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chips: int,
+                seq_len: int, profile: hardware.HardwareProfile) -> float:
+  """An analytical MFU to rank candidates, the baseline's: matmuls at peak with remat's
+  recompute, overlapped with the FSDP weight gathers (bf16 weights, three passes), plus
+  what the compiler leaves exposed: the gradients' reduce-scatter over ``fsdp``
+  (synchronous), the tensor-parallel activation transfers (``4 + 4 + 2 x
+  RECOMPUTED_GATHERS`` per layer, not overlapped) and the data-parallel all-reduce; each
+  collective one ring over its mesh axis."""
+  m = model_cfg
+  compute = model_flops * recompute_factor(m, layout.remat) / (chips * profile.peak_flops)
+  ring = lambda moved, n: step_model.ring_collective_seconds(
+      moved, [n], profile.link_bandwidth, profile.ring_links, profile.step_latency)
+  weights = 2 * params / layout.tensor  # bf16, one model-parallel group's
+  tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
+  activations = m.num_layers * tokens * m.d_model * 2
+  exposed = (ring(weights, layout.fsdp) + ring(2 * weights / layout.fsdp, layout.data) +
+             ring((8 + 2 * RECOMPUTED_GATHERS[layout.remat]) * activations, layout.tensor))
+  return model_flops / (chips * profile.peak_flops) / (
+      max(compute, ring(3 * weights, layout.fsdp)) + exposed)
 
 
 def candidates(cfg, chips: int, profile, progress=print,
