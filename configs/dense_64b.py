@@ -2,11 +2,12 @@ r"""A ~64B-parameter dense decoder (Llama-style) on 512 TPU v4 chips.
 
 63.96B parameters: 80 scanned blocks, d_model 8192, 64 query heads of 128 over
 8 key/value heads, SwiGLU 26112, vocabulary 32768, untied embeddings. Mesh
-fsdp=64 x tensor=8 on a v4:8x8x8 slice, global batch 256 x 2048 tokens, bf16
-compute over fp32 master weights and AdamW state, remat minimal (every
-projection's output kept; baseline and ours both faster than with
-save_dot_except_mlp, docs/paper_scale.md), one layer per scan iteration (both
-faster than with two).
+fsdp=64 x tensor=8 on a v4:8x8x8 slice, global batch 512 x 2048 tokens (the
+layout search's best for every variant: python -m launch.aot --config
+configs/dense_64b.py --search), bf16 compute over fp32 master weights and AdamW
+state, remat minimal (every projection's output kept; baseline and ours both
+faster than with save_dot_except_mlp, docs/paper_scale.md), one layer per scan
+iteration (both faster than with two).
 
 Nothing here runs on this machine's CPU; compile it for the TPU slice ahead of
 time (needs the tpu extra) and read memory fit and the modeled step time:
@@ -20,7 +21,8 @@ from configs import dense_500b
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = dense_500b.get_config()  # batch, bf16 compute, scan, optimizer, tpu_v4
+  c = dense_500b.get_config()  # bf16 compute, scan, optimizer, tpu_v4
+  c.batch_size = 512               # 8 sequences per fsdp shard (256: ours 2.394 s for half the tokens)
   c.model.d_model = 8192
   c.model.num_layers = 80
   c.model.num_heads = 64
