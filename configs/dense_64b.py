@@ -22,7 +22,7 @@ from configs import dense_500b
 
 def get_config() -> ml_collections.ConfigDict:
   c = dense_500b.get_config()  # bf16 compute, scan, optimizer, tpu_v4
-  c.batch_size = 512               # 8 sequences per fsdp shard (256: ours 2.394 s for half the tokens)
+  c.batch_size = 512               # 8 sequences per fsdp shard (256: ours 60.7% modeled MFU)
   c.model.d_model = 8192
   c.model.num_layers = 80
   c.model.num_heads = 64

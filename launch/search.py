@@ -16,9 +16,9 @@ overlapped with the FSDP weight gathers, plus what the compiler leaves exposed:
 the gradients' reduce-scatter, tensor-parallel activation transfers and the
 data-parallel all-reduce) and the best ``--max_compiles`` are compiled, each
 variant in its own process as ``launch.aot`` does, so a 500B search stays within
-about two hours on a 2-core machine. Prints progress, then one table (layout, estimated and
-compiled GiB per chip, fit, modeled MFU of each variant) and the best layout
-per variant. Everything but the compiler's memory figures is modeled.
+about two hours on a 2-core machine. Prints progress, then one table (layout,
+estimated and compiled GiB per chip, fit, modeled MFU of each variant) and the
+best layout per variant. Everything but the compiler's memory figures is modeled.
 
 Memory estimate per chip (bytes): parameters with AdamW moments and the
 gradient, ``16 N / (fsdp x tensor)``; saved activations, per layer and per
