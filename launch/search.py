@@ -126,11 +126,12 @@ def assignable(sizes, physical) -> bool:
   return True
 
 
-# Tensor-parallel transfers per layer: forward, an all-gather before q/k/v and gate/up and a
-# reduce-scatter after the output and down projections; backward, their transposes; plus
-# the forward gathers that remat repeats.
-RECOMPUTED_GATHERS = {'full': 2, 'save_dot_except_mlp': 1, 'save_dot_except_qkv': 1,
-                      'minimal': 0}
+# Tensor-parallel transfers per layer that remat's recomputed forward repeats: a gather and
+# a reduce-scatter for each part of the block (attention, MLP) it recomputes projections of.
+# An upper bound: a recomputed part's reduce-scatter repeats only where its output is needed.
+# Every layout also has 8: forward, an all-gather before q/k/v and gate/up and a
+# reduce-scatter after the output and down projections; backward, their transposes.
+REMAT_TRANSFERS = {'full': 4, 'save_dot_except_mlp': 2, 'save_dot_except_qkv': 2, 'minimal': 0}
 
 
 def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chips: int,
@@ -138,9 +139,9 @@ def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chip
   """An analytical MFU to rank candidates, the baseline's: matmuls at peak with remat's
   recompute, overlapped with the FSDP weight gathers (bf16 weights, three passes), plus
   what the compiler leaves exposed: the gradients' reduce-scatter over ``fsdp``
-  (synchronous), the tensor-parallel activation transfers (``4 + 4 + 2 x
-  RECOMPUTED_GATHERS`` per layer, not overlapped) and the data-parallel all-reduce; each
-  collective one ring over its mesh axis."""
+  (synchronous), the tensor-parallel activation transfers (``8 + REMAT_TRANSFERS`` per
+  layer, not overlapped) and the data-parallel all-reduce; each collective one ring over
+  its mesh axis."""
   m = model_cfg
   compute = model_flops * recompute_factor(m, layout.remat) / (chips * profile.peak_flops)
   ring = lambda moved, n: step_model.ring_collective_seconds(
@@ -149,7 +150,7 @@ def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chip
   tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
   activations = m.num_layers * tokens * m.d_model * 2
   exposed = (ring(weights, layout.fsdp) + ring(2 * weights / layout.fsdp, layout.data) +
-             ring((8 + 2 * RECOMPUTED_GATHERS[layout.remat]) * activations, layout.tensor))
+             ring((8 + REMAT_TRANSFERS[layout.remat]) * activations, layout.tensor))
   return model_flops / (chips * profile.peak_flops) / (
       max(compute, ring(3 * weights, layout.fsdp)) + exposed)
 
