@@ -247,7 +247,8 @@ def render_terms(aot: dict) -> list[str]:
                    'ours / xla'],
                   [[n, f'{sp:.3f}x', f'{c:.3f}', f'{x:.3f}x' if x else '-']
                    for n, sp, c, x in met])
-  return lines + [''] + render_compute_terms(aot) + render_mfu_target(aot)
+  return (lines + [''] + render_compute_terms(aot) + render_rings(aot)
+          + render_mfu_target(aot))
 
 
 def _term(m: dict, where: str, term: str) -> float:
@@ -279,6 +280,46 @@ def render_compute_terms(aot: dict) -> list[str]:
           'non-matmul work (layout copies the compiler adds around the rings among them).', ''
           ] + _table(['config', 'compute change', 'matmul at MXU rate', 'HBM-bound excess',
                       'ring non-matmul', 'other non-matmul'], rows) + ['']
+
+
+def render_rings(aot: dict, top: int = 4) -> list[str]:
+  """Ours' most exposed rings per config, and for a config below the speedup target the
+  step it needs against ours' two terms: compute beyond the baseline's, exposed
+  communication (the rings' share of it, and how much of that is link-bound)."""
+  rows, notes = [], []
+  link = lambda r: r['transfer'] > r['compute_between']
+  for name, s in aot.items():
+    m = s['modeled']
+    rings = m.get('ours', {}).get('rings')
+    if not rings or 'baseline' not in m:
+      continue
+    for layer, r in list(rings.items())[:top]:
+      rows.append([name, layer, f"{r['exposed']:.3f}", f"{r['transfer']:.3f}",
+                   f"{r['compute_between']:.3f}", 'link' if link(r) else 'compute'])
+    ours, base = m['ours'], m['baseline']
+    need = base['step_seconds'] / TARGETS['ours_vs_baseline']
+    if ours['step_seconds'] <= need:
+      continue
+    exposed = sum(r['exposed'] for r in rings.values())
+    linked = sum(r['exposed'] for r in rings.values() if link(r))
+    notes.append(
+        f"{name}: {TARGETS['ours_vs_baseline']}x needs ours at {need:.3f} s, "
+        f"{ours['step_seconds'] - need:.3f} s below its {ours['step_seconds']:.3f} s. Ours' "
+        f"compute is {ours['compute_seconds'] - base['compute_seconds']:+.3f} s against the "
+        f"baseline's (terms above); its exposed communication is "
+        f"{ours['exposed_communication_seconds']:.3f} s, {exposed:.3f} s of it waiting on its "
+        f"rings, {linked:.3f} s on rings whose transfers outlast the compute between them "
+        '(link-bound: no schedule hides them).')
+  if not rows:
+    return []
+  return (['Ours\' most exposed rings (modeled, seconds per step, from the scheduled '
+           'program\'s collective-permutes by layer and pass: `rings` in `python -m launch.aot '
+           '--json`): the time the chip waited for them, their transfers and the compute '
+           'scheduled between their starts and dones (a bidirectional round\'s two permutes '
+           'each count the round). A ring is link-bound where its transfers outlast that '
+           'compute.', '']
+          + _table(['config', 'layer', 'exposed', 'transfer', 'compute between', 'bound by'],
+                   rows) + [''] + [line for n in notes for line in (n, '')])
 
 
 def render_mfu_target(aot: dict) -> list[str]:

@@ -317,7 +317,8 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'exposed_dma_seconds': model['exposed_dma_seconds'],
           'program_flops_per_chip': model['flops'],
           'mfu': info['model_flops_per_step'] / (chips * peak * step) if step else None,
-          'collectives': model['collectives'], 'warnings': model['warnings']}
+          'collectives': model['collectives'], 'rings': ring_terms(pairs),
+          'warnings': model['warnings']}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
   for name, m in out['modeled'].items():
@@ -328,6 +329,25 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
   main = 'ours' if 'ours' in out['variants'] else next(iter(out['variants']))
   out['fit'] = out['variants'][main]['memory']['fit']
   return out
+
+
+def ring_terms(pairs: list[dict]) -> dict:
+  """Per layer (and pass), its rings' collective-permutes, in modeled seconds per step:
+  their transfers, the compute scheduled between their starts and dones, and the time the
+  chip waited for them (exposed). A bidirectional ring's two permutes of a round each
+  count the round's transfer and compute (they run at once): their ratio stays true. Most
+  exposed first."""
+  out = {}
+  for p in pairs:
+    if 'collective_einsum' not in p['op_name']:
+      continue
+    row = out.setdefault(p['layer'], dict.fromkeys(('transfer', 'compute_between',
+                                                    'exposed'), 0.0))
+    times = p.get('executions', 0.0) / 1e6
+    row['transfer'] += times * p['transfer_us']
+    row['compute_between'] += times * p['compute_between_us']
+    row['exposed'] += times * p['exposed_us']
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]['exposed']))
 
 
 def _layer(op_name: str) -> str:

@@ -86,6 +86,12 @@ def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
       'none of our permutes has an einsum scheduled between its start and done'
   assert pairs['with_einsum_between'] >= 1
   assert base['permute_pairs']['from_collective_einsum'] == 0
+  # Ours' rings by layer: their waits are part of its exposed communication, none in the baseline
+  rings = s['modeled']['ours']['rings']
+  assert rings and all(r['transfer'] > 0 for r in rings.values()), rings
+  assert sum(r['exposed'] for r in rings.values()) <= \
+      s['modeled']['ours']['exposed_communication_seconds'] + 1e-9
+  assert s['modeled']['baseline']['rings'] == {}
   for name in ('baseline', 'ours'):
     m = s['modeled'][name]
     assert m['step_seconds'] > 0 and 0 < m['mfu'] < 1 and m['warnings'] == []

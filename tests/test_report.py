@@ -1,6 +1,9 @@
 """benchmarks/report.py: the targets' arithmetic, rendered from modeled results."""
 
+import copy
+
 from benchmarks import report
+from launch import aot
 
 
 def _variant(step, compute, exposed, mfu, terms):
@@ -34,3 +37,32 @@ def test_the_mfu_target_names_the_step_it_needs():
   assert "matmul FLOPs are 1.25x the model's (with what remat `full` recomputes)" in line
   assert 'its exposed communication (0.400 s)' in line
   assert report.render_mfu_target({}) == []
+
+
+def _pair(layer, executions, transfer, between, exposed, op='collective_einsum/ppermute'):
+  return {'layer': layer, 'op_name': op, 'executions': executions, 'transfer_us': transfer,
+          'compute_between_us': between, 'exposed_us': exposed}
+
+
+def test_ring_terms_sum_each_layers_permutes_per_step():
+  rings = aot.ring_terms([_pair('attn.o', 100, 750, 250, 500), _pair('attn.o', 100, 750, 250, 0),
+                          _pair('mlp.down', 10, 700, 800, 0), _pair('-', 5, 9, 9, 9, op='x')])
+  assert list(rings) == ['attn.o', 'mlp.down']  # most exposed first; not ours: left out
+  assert rings['attn.o'] == {'transfer': 0.15, 'compute_between': 0.05, 'exposed': 0.05}
+
+
+def test_rings_name_what_keeps_ours_from_the_target():
+  results = copy.deepcopy(AOT)
+  results['dense_500b']['modeled']['ours']['rings'] = {
+      'attn.o': {'transfer': 0.3, 'compute_between': 0.1, 'exposed': 0.25},
+      'mlp.down': {'transfer': 0.2, 'compute_between': 0.4, 'exposed': 0.05}}
+  lines = report.render_rings(results)
+  assert '| dense_500b | attn.o | 0.250 | 0.300 | 0.100 | link |' in lines
+  assert '| dense_500b | mlp.down | 0.050 | 0.200 | 0.400 | compute |' in lines
+  assert not [l for l in lines if l.startswith('dense_500b:')]  # 1.25x: the target is met
+  results['dense_500b']['modeled']['ours']['step_seconds'] = 9.0
+  [note] = [l for l in report.render_rings(results) if l.startswith('dense_500b:')]
+  assert note.startswith('dense_500b: 1.14x needs ours at 8.772 s, 0.228 s below its 9.000 s')
+  assert "compute is +0.600 s against the baseline's" in note
+  assert 'exposed communication is 0.400 s, 0.300 s of it waiting on its rings, 0.250 s on' \
+      in note
