@@ -9,7 +9,9 @@ For the decomposed axis of size N, per device:
   where partial sums accumulate, the partial sum written, then read with the
   accumulator and their sum written, every step (an all-gather over a contracted
   dim: in fp32, the addition apart from the einsum; a reduce-scatter's: in the
-  wire dtype, with the arriving accumulator). A ring whose steps are bound by
+  wire dtype, with the arriving accumulator). A block sliced out of an operand along
+  any dimension but its first is copied before the einsum: that copy's traffic adds to
+  ``c`` (``_sliced_copy_bytes``). A ring whose steps are bound by
   that traffic while the plain einsum is not loses to ``none`` (the same
   max(FLOPs, bytes) rule as the step model, parallelism/step_model.py, and the
   same hardware table; profiles
@@ -102,16 +104,17 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
                   for letters in (eq.lhs, eq.rhs, eq.out))
   # partial sums travel in the compute dtype, or fp32 (parallelism.ring_dtype)
   wire = max(itemsize, 4) if wire_fp32 else itemsize
-  plain_bytes, step_bytes, pair_bytes = _hbm_bytes(eq, plan, dict(zip('lro', local)), n,
-                                                   itemsize, wire)
+  blocks = dict(zip('lro', local))
+  plain_bytes, step_bytes, pair_bytes = _hbm_bytes(eq, plan, blocks, n, itemsize, wire)
   if plan.kind == 'reducescatter':
     block = local[2] * wire
   else:
     block = local[0 if plan.gathered == 'lhs' else 1] * itemsize
   hbm = profile.hbm_bandwidth or math.inf
+  copied = _sliced_copy_bytes(eq, plan, blocks, n, itemsize)
   t_comp = max(flops / peak, plain_bytes / hbm)
-  c = max(flops / n / peak, step_bytes / hbm)
-  c2 = max(2 * flops / n / peak, pair_bytes / hbm)  # a bidirectional round: one einsum
+  c = max(flops / n / peak, step_bytes / hbm) + copied / hbm
+  c2 = max(2 * flops / n / peak, pair_bytes / hbm) + 2 * copied / hbm  # one einsum, 2 blocks
   link = profile.link_bandwidth * step_model.LINK_EFFICIENCY
   t = block / (link * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
@@ -126,6 +129,27 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   return Estimate(profile.name, plan.axis, n, t_comp, t_comm, c, t,
                   {'none': t_comp + t_comm, 'unidirectional': uni, 'bidirectional': bi},
                   step_bytes / hbm > flops / n / peak)
+
+
+def _sliced_copy_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int,
+                       itemsize: int) -> float:
+  """Bytes a ring step writes and reads again to slice one block of the operand that stays
+  on the device (a reduce-scatter's owner, along the scattered dim; an all-gather's other
+  operand, along the contracted dim), or 0.
+
+  Sliced along any dimension but its first, the block is strided: the compiler copies it
+  into a buffer of its own before the einsum, as a separate instruction, so its time adds
+  to the step's (dense_64b's scheduled program: its weight gradients' rings over ``fsdp``
+  copy a [8, 2048, 128] block of x per step, 0.42 ms a layer for 1.25 ms of q/k/v's FLOPs).
+  """
+  if plan.kind == 'reducescatter':
+    side, letter = ('l' if plan.out_letter in eq.lhs else 'r'), plan.out_letter
+  elif plan.kind == 'allgather_contracting':
+    side, letter = ('r' if plan.gathered == 'lhs' else 'l'), plan.letter
+  else:
+    return 0.0
+  letters = eq.lhs if side == 'l' else eq.rhs
+  return 0.0 if letters.index(letter) == 0 else 2 * itemsize * local[side] / n
 
 
 def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
