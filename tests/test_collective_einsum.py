@@ -358,11 +358,12 @@ def test_cost_model_counts_the_copy_of_a_strided_block():
   # copies the [f/8, d/8] block (written, then read by the einsum) before the einsum.
   # Sliced along its first dim (w [d, f/8]), the block is contiguous: no copy.
   mesh = _mesh(8, 1)
+
   def step(equation, w_shape, specs):
     eq, plans = einsum_plan.plan(equation, *specs)
     plan = next(p for p in plans if p.axis == T)
     return cost_model.estimate(eq, plan, (64, 4096), w_shape, 'bfloat16', mesh,
-                               cost_model.hw.get_profile('tpu_v4')).step_compute_seconds
+                               'tpu_v4').step_compute_seconds
   strided = step('bf,fd->bd', (4096, 4096), (P(None, T), P(T, None), P(None, T)))
   contiguous = step('bf,df->bd', (4096, 4096), (P(None, T), P(None, T), P(None, T)))
   assert strided - contiguous == pytest.approx(2 * 2 * 4096 * 4096 / 64 / 1.2e12)
