@@ -38,8 +38,13 @@ synchronous collective (which blocks: all its time is exposed). An
 asynchronous ``*-start`` at ``t`` finishes at ``t + transfer``; its ``*-done``
 waits until then, ``t = max(t, finish)``. A transfer is therefore hidden by
 the compute scheduled between its start and done, and exposed for the rest.
-Transfers in flight together do not slow each other down (optimistic). A
-while loop costs its trip count (the condition's bound minus the counter's
+Transfers that share a link take turns: every collective occupies the links it
+uses (a collective-permute the directions its pairs hop along each torus
+dimension, a group collective both directions of every dimension its group
+spans; ``links``), and one issued while another holds any of them starts when
+that one finishes (first come, first served, within one computation). A
+synchronous collective waits for the links too; its wait is exposed. Transfers on
+separate links run together at full rate. A while loop costs its trip count (the condition's bound minus the counter's
 initial value, or the compiler's ``known_trip_count``) times its body; a
 conditional its slowest branch; a call its callee.
 
@@ -61,7 +66,7 @@ physical ratios in (0, 1]. Both stay at 1.0, the data sheet's rates: with
 them the model is within 5 MFU points of MaxText's three measured v5p rows
 (configs/calibration/), modeled above measured on each (by the points
 docs/calibration.md shows), the direction of what the model leaves out (MXU
-stalls, kernel overheads, transfers slowing each other). ``--fit`` searches
+stalls, kernel overheads). ``--fit`` searches
 both for the smallest worst-row error over the rows it compiles; setting them
 from its output is a choice made here by hand, not per row.
 
@@ -390,6 +395,37 @@ def _span(group: Sequence[int], coords) -> list[int]:
           if len(set(points[:, k])) > 1]
 
 
+def links(ins: Instr, num_partitions: int, coords=None) -> frozenset:
+  """The links a collective's transfer occupies, as ``(torus dimension, +1 | -1)``.
+
+  A collective-permute hops along the dimensions where its pairs' coordinates
+  differ, in the direction of the shorter way round; a group collective uses
+  both directions of every dimension its group spans. Without coordinates a
+  permute is known by its pairs and a group collective by its group, so only
+  transfers on the same pairs or group take turns.
+  """
+  if ins.opcode.removesuffix('-start') == 'collective-permute':
+    m = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', ins.attrs)
+    pairs = [tuple(map(int, p)) for p in re.findall(r'\{(\d+),(\d+)\}', m.group(1))] \
+        if m else []
+    if coords is None:
+      return frozenset({('pairs',) + tuple(sorted(pairs))})
+    extents = np.array(coords).max(axis=0) + 1
+    out = set()
+    for src, dst in pairs:
+      for k, (a, b) in enumerate(zip(coords[src], coords[dst])):
+        d = (b - a) % extents[k]
+        if d:
+          out.add((k, 1 if d <= extents[k] // 2 else -1))
+    return frozenset(out)
+  group = first_group(ins.attrs, num_partitions)
+  if coords is None or len(group) < 2:
+    return frozenset({('group',) + tuple(group)})
+  points = np.array([coords[d] for d in group])
+  return frozenset((k, sign) for k in range(points.shape[1])
+                   if len(set(points[:, k])) > 1 for sign in (1, -1))
+
+
 def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: int,
                        coords=None) -> float:
   kind = ins.opcode.removesuffix('-start')
@@ -495,13 +531,14 @@ class _Model:
     by_name = {i.name: i for i in instrs}
     shapes = self.costs.shapes.get(comp, {})
     pending: dict[str, dict] = {}
+    busy: dict[tuple, float] = {}  # link -> when the transfer holding it finishes
     for ins in instrs:
       op = ins.opcode
       if op in FREE:
         continue
       role = self.costs.async_role(ins)
       if op.endswith('-start') or role == 'start':
-        self._start(ins, comp, tl, pending, shapes)
+        self._start(ins, comp, tl, pending, shapes, busy)
       elif op.endswith('-done') or role == 'done':
         self._done(ins, tl, pending, by_name)
       elif op in ('while', 'call', 'conditional'):
@@ -510,9 +547,10 @@ class _Model:
       elif (coll := self.costs.collective_in(ins)) is not None:
         if channel(coll) not in self.costs.async_channels:  # synchronous: blocks the chip
           s, kind = self._collective_seconds(ins, coll, shapes)
-          tl.seconds += s
+          begin = self._take_links(coll, tl.seconds, s, busy)
+          tl.exposed_comm += begin - tl.seconds + s
+          tl.seconds = begin + s
           tl.comm += s
-          tl.exposed_comm += s
           tl.count(kind, s)
         # else a continuation of an async collective fusion: its transfer counts at the start
         if ins.opcode == 'fusion':  # compute fused with the collective is compute
@@ -577,12 +615,23 @@ class _Model:
     return collective_seconds(coll, in_bytes, self.chip, self.m.num_partitions,
                               self.coords), kind
 
-  def _start(self, ins: Instr, comp: str, tl: Timeline, pending, shapes) -> None:
+  def _take_links(self, coll: Instr, now: float, seconds: float, busy: dict) -> float:
+    """When ``coll``'s transfer of ``seconds`` begins, issued at ``now``: once every
+    link it uses is free. Holds them until it finishes."""
+    used = links(coll, self.m.num_partitions, self.coords)
+    begin = max([now] + [busy.get(link, 0.0) for link in used])
+    for link in used:
+      busy[link] = begin + seconds
+    return begin
+
+  def _start(self, ins: Instr, comp: str, tl: Timeline, pending, shapes, busy) -> None:
     kind = ins.opcode.removesuffix('-start')
     coll = self.costs.collective_in(ins)
+    begin = tl.seconds
     if coll is not None:
       kind = coll.opcode.removesuffix('-start')
       s, label = self._collective_seconds(ins, coll, shapes, asynchronous=True)
+      begin = self._take_links(coll, tl.seconds, s, busy)
       tl.comm += s
       tl.count(label, s)
     else:  # copy-start, slice-start, other async work: a DMA of the result
@@ -593,7 +642,7 @@ class _Model:
         'channel': channel(coll),
         'op_name': ins.op_name, 'bytes': sum(shape_bytes(shapes.get(o, '')) for o in
                                              ins.operands),
-        'transfer_s': s, 'finish': tl.seconds + s, 'started': tl.seconds, 'compute': 0.0,
+        'transfer_s': s, 'finish': begin + s, 'started': tl.seconds, 'compute': 0.0,
         'einsums': []}
 
   def _done(self, ins: Instr, tl: Timeline, pending, by_name) -> None:
@@ -617,7 +666,8 @@ class _Model:
           'computation': p['computation'], 'start': p['start'], 'done': ins.name,
           'kind': p['kind'], 'op_name': p['op_name'], 'bytes': p['bytes'],
           'transfer_us': p['transfer_s'] * 1e6, 'compute_between_us': p['compute'] * 1e6,
-          'exposed_us': wait * 1e6, 'einsums_between': p['einsums']})
+          'exposed_us': wait * 1e6, 'einsums_between': p['einsums'],
+          'queued_us': (p['finish'] - p['transfer_s'] - p['started']) * 1e6})
 
   def trip_count(self, ins: Instr, comp: str) -> int:
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)

@@ -141,6 +141,73 @@ def test_collective_over_two_torus_dimensions_uses_twice_the_links():
   assert two == pytest.approx(one / 2)
 
 
+# Two permutes in flight over one matmul: the same direction (RIGHT twice), or opposite.
+TWO_PERMUTES = """HloModule two, is_scheduled=true, num_partitions=4
+
+%fused_matmul (p0: bf16[64,128], p1: bf16[128,256]) -> bf16[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[64,128], w: bf16[128,256]) -> (bf16[64,128], bf16[64,128], bf16[64,256]) {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %a-start = (bf16[64,128]{1,0}, bf16[64,128]{1,0}, u32[], u32[]) collective-permute-start(%x), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %b-start = (bf16[64,128]{1,0}, bf16[64,128]{1,0}, u32[], u32[]) collective-permute-start(%x), channel_id=2, source_target_pairs=SECOND
+  %mm = bf16[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_matmul
+  %a-done = bf16[64,128]{1,0} collective-permute-done(%a-start)
+  %b-done = bf16[64,128]{1,0} collective-permute-done(%b-start)
+  ROOT %out = (bf16[64,128]{1,0}, bf16[64,128]{1,0}, bf16[64,256]{1,0}) tuple(%a-done, %b-done, %mm)
+}
+"""
+RIGHT, LEFT = '{{0,1},{1,2},{2,3},{3,0}}', '{{1,0},{2,1},{3,2},{0,3}}'
+LINE = [(0, 0), (1, 0), (2, 0), (3, 0)]  # four chips on a ring along dimension 0
+
+
+def test_links_a_transfer_occupies():
+  permute = lambda pairs: hlo_text.parse_instr(
+      f'  %p = bf16[8]{{0}} collective-permute(%x), source_target_pairs={pairs}')
+  assert step_model.links(permute(RIGHT), 4, LINE) == {(0, 1)}
+  assert step_model.links(permute(LEFT), 4, LINE) == {(0, -1)}
+  gather = hlo_text.parse_instr(
+      '  %ag = bf16[32]{0} all-gather(%x), replica_groups={{0,1,2,3}}, dimensions={0}')
+  square = [(0, 0), (1, 0), (0, 1), (1, 1)]
+  assert step_model.links(gather, 4, square) == {(0, 1), (0, -1), (1, 1), (1, -1)}
+  # Without coordinates only the same pairs (or group) share.
+  assert step_model.links(permute(RIGHT), 4) != step_model.links(permute(LEFT), 4)
+  assert step_model.links(permute(RIGHT), 4) == step_model.links(permute(RIGHT), 4)
+
+
+@pytest.mark.parametrize('second,turns', [(RIGHT, 2), (LEFT, 1)])
+def test_transfers_sharing_a_link_take_turns(second, turns):
+  r = step_model.analyze(TWO_PERMUTES.replace('SECOND', second), CHIP, LINE)
+  permute = 64 * 128 * 2 / 1e9
+  matmul = 2 * 64 * 256 * 128 / 1e12
+  assert r.step_seconds == pytest.approx(turns * permute)
+  first, then = r.pairs
+  assert first['queued_us'] == 0 and first['exposed_us'] == pytest.approx(
+      (permute - matmul) * 1e6)
+  assert then['queued_us'] == pytest.approx((turns - 1) * permute * 1e6)
+  assert then['exposed_us'] == pytest.approx((turns - 1) * permute * 1e6)
+
+
+def test_a_synchronous_collective_waits_for_its_links():
+  text = HAND_BUILT.replace(
+      '  ROOT %ag = bf16[256,128]{1,0} all-gather(%y)',
+      '  %cp2-start = (bf16[64,128]{1,0}, bf16[64,128]{1,0}, u32[], u32[]) '
+      'collective-permute-start(%y), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}\n'
+      '  %ag = bf16[256,128]{1,0} all-gather(%y)').replace(
+      'dimensions={0}\n}', 'dimensions={0}\n  ROOT %cp2-done = bf16[64,128]{1,0} '
+      'collective-permute-done(%cp2-start)\n}')
+  alone = step_model.analyze(HAND_BUILT, CHIP, LINE)
+  r = step_model.analyze(text, CHIP, LINE)
+  permute = 64 * 128 * 2 / 1e9
+  assert r.warnings == []
+  assert r.step_seconds == pytest.approx(alone.step_seconds + permute)
+  assert r.exposed_comm_seconds == pytest.approx(alone.exposed_comm_seconds + permute)
+
+
 # ---- the asynchronous forms the TPU compiler emits ---------------------------------
 
 DATA = os.path.join(os.path.dirname(__file__), 'data')
