@@ -171,7 +171,7 @@ def findings(rows: list[Row], worst: float) -> str:
   if min(errors) > 0:
     text += ('Modeled above measured is the direction the model\'s simplifications point to: '
              'it counts no MXU stalls or kernel overheads beyond its constants, and transfers '
-             'in flight together do not slow each other. ')
+             'that share a link take turns at its full rate (no congestion, no routing). ')
   return text + (
       'Our programs '
       'match MaxText\'s in the two terms that decide most of the memory-bound and exposed '
