@@ -80,6 +80,7 @@ modeled MFU: the model's FLOPs per step / (chips x peak x step time).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -398,11 +399,13 @@ def _span(group: Sequence[int], coords) -> list[int]:
 def links(ins: Instr, num_partitions: int, coords=None) -> frozenset:
   """The links a collective's transfer occupies, as ``(torus dimension, +1 | -1)``.
 
-  A collective-permute hops along the dimensions where its pairs' coordinates
-  differ, in the direction of the shorter way round; a group collective uses
-  both directions of every dimension its group spans. Without coordinates a
-  permute is known by its pairs and a group collective by its group, so only
-  transfers on the same pairs or group take turns.
+  A collective-permute's pair hops along the dimensions where its coordinates differ, in
+  the direction of the shorter way round; the permute occupies the link most of its pairs
+  hop along (a ring over two torus dimensions, as ``fsdp`` = 8 x 16, turns the corner at
+  one chip in eight: the model's chip is a typical one). A group collective uses both
+  directions of every dimension its group spans. Without coordinates a permute is known by
+  its pairs and a group collective by its group, so only transfers on the same pairs or
+  group take turns.
   """
   if ins.opcode.removesuffix('-start') == 'collective-permute':
     m = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', ins.attrs)
@@ -411,13 +414,14 @@ def links(ins: Instr, num_partitions: int, coords=None) -> frozenset:
     if coords is None:
       return frozenset({('pairs',) + tuple(sorted(pairs))})
     extents = np.array(coords).max(axis=0) + 1
-    out = set()
+    hops = collections.Counter()
     for src, dst in pairs:
       for k, (a, b) in enumerate(zip(coords[src], coords[dst])):
         d = (b - a) % extents[k]
         if d:
-          out.add((k, 1 if d <= extents[k] // 2 else -1))
-    return frozenset(out)
+          hops[k, 1 if d <= extents[k] // 2 else -1] += 1
+    most = max(hops.values(), default=0)
+    return frozenset(link for link, n in hops.items() if n == most)
   group = first_group(ins.attrs, num_partitions)
   if coords is None or len(group) < 2:
     return frozenset({('group',) + tuple(group)})

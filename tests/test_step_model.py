@@ -170,6 +170,13 @@ def test_links_a_transfer_occupies():
       f'  %p = bf16[8]{{0}} collective-permute(%x), source_target_pairs={pairs}')
   assert step_model.links(permute(RIGHT), 4, LINE) == {(0, 1)}
   assert step_model.links(permute(LEFT), 4, LINE) == {(0, -1)}
+  # A ring around a 2 x 2 square: two of its four hops along each dimension, so both.
+  square = [(0, 0), (1, 0), (1, 1), (0, 1)]
+  assert step_model.links(permute(RIGHT), 4, square) == {(0, 1), (1, 1)}
+  # Around a 4 x 2 torus in rows: six of eight hops along dimension 0, the corners along 1.
+  rows = [(x, y) for y in range(2) for x in range(4)]
+  ring8 = '{' + ','.join(f'{{{i},{(i + 1) % 8}}}' for i in range(8)) + '}'
+  assert step_model.links(permute(ring8), 8, rows) == {(0, 1)}
   gather = hlo_text.parse_instr(
       '  %ag = bf16[32]{0} all-gather(%x), replica_groups={{0,1,2,3}}, dimensions={0}')
   square = [(0, 0), (1, 0), (0, 1), (1, 1)]
