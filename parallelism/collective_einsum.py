@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import cost_model, einsum_plan, ring
+from parallelism import hardware as hw
 from parallelism.einsum_plan import AxisPlan, Equation
 
 MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
@@ -123,14 +124,20 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
   The candidates are one einsum, the ring over the forward's ``axis`` (in its ``mode``)
   and a ring over any other axis over which the gradient einsum reduce-scatters (a weight
   gradient over ``fsdp``, in that ring's best mode). Each is costed as its ring (or its
-  einsum) plus the transfers of the collectives it leaves to the compiler: a reduce-scatter
-  blocks the chip (synchronous under the TPU flags), an all-gather of the cotangent is
-  waited for, and an all-gather of one of the forward's inputs, though the compiler
-  prefetches it asynchronously, holds the links of the forward's axis while the other
-  gradient's ring runs over them, so the two take turns (the step model's ``links``; 64B's
-  ``mlp.gate_up``: x's gather over tensor queued the data gradient's ring behind it). The
-  least wins; ties go to the forward's ring.
+  einsum) plus the collectives it leaves to the compiler that block the chip: every
+  reduce-scatter (synchronous under the TPU flags), and an all-gather of the cotangent;
+  an all-gather of one of the forward's inputs is not counted where the profile runs
+  collectives asynchronously, since it is ready before the layer's backward pass begins
+  and the compiler's asynchronous gather overlaps it (dense_500b's programs show those
+  gathers as asynchronous collective fusions). That is optimistic: the step model's links
+  show such a gather over ``tensor`` holding the links the data gradient's ring needs
+  (64B: the q/k/v data gradient's ring queued 0.35 s a step behind ``mlp.gate_up``'s). Counting
+  it took the 64B from 4.704 to 4.612 s a step, but moved ``moe_1t``'s q/k/v and unembedding
+  weight gradients to rings whose fp32 accumulators do not fit (30.89 GiB of 30.75); a choice
+  that also weighs memory is still to come. The least wins; ties go to the forward's ring.
   """
+  profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
+      hardware or cost_model.DEFAULT_HARDWARE)
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
   out_shape = tuple(sizes[l] for l in eq.out)
   lhs_spec, rhs_spec, out_spec = specs
@@ -151,15 +158,17 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
     candidates = [plan] + others
     est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, wire_fp32)
            for p in candidates}
-    # The compiler's collective over each axis, where the ring runs over another one.
-    compiler = {p.axis: est[p.axis].comm_seconds for p in candidates}
-    left = lambda a: sum(s for b, s in compiler.items() if b != a)
+    cotangent = 'rhs' if which == 'rhs' else 'lhs'  # the transposed einsum's operand
+    prefetched = lambda p: (profile.async_collectives and p.kind != 'reducescatter' and
+                            p.gathered != cotangent)
+    blocking = {p.axis: 0.0 if prefetched(p) else est[p.axis].comm_seconds for p in candidates}
+    left = lambda a: sum(s for b, s in blocking.items() if b != a)
     total = {(axis, mode): est[axis].seconds[mode] + left(axis)}
     for p in others:
       for m in ('unidirectional', 'bidirectional'):
         total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
     best = min(total, key=lambda r: (total[r], r[0] != axis))  # ties: the forward's ring
-    plain = est[axis].compute_seconds + sum(compiler.values())
+    plain = est[axis].compute_seconds + sum(blocking.values())
     rings.append(best if total[best] <= plain else None)
   return tuple(rings)
 
