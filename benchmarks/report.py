@@ -317,7 +317,9 @@ def render_rings(aot: dict, top: int = 4) -> list[str]:
            '--json`): the time the chip waited for them, their transfers and the compute '
            'scheduled between their starts and dones (a bidirectional round\'s two permutes '
            'each count the round). A ring is link-bound where its transfers outlast that '
-           'compute.', '']
+           'compute; one bound by compute is still exposed where its transfers waited for '
+           'links another transfer held (the step model\'s links take turns: the compiler\'s '
+           'gathers over the same axis).', '']
           + _table(['config', 'layer', 'exposed', 'transfer', 'compute between', 'bound by'],
                    rows) + [''] + [line for n in notes for line in (n, '')])
 
