@@ -39,14 +39,14 @@ asynchronous ``*-start`` at ``t`` finishes at ``t + transfer``; its ``*-done``
 waits until then, ``t = max(t, finish)``. A transfer is therefore hidden by
 the compute scheduled between its start and done, and exposed for the rest.
 Transfers that share a link take turns: every collective occupies the links it
-uses (a collective-permute the directions its pairs hop along each torus
-dimension, a group collective both directions of every dimension its group
-spans; ``links``), and one issued while another holds any of them starts when
-that one finishes (first come, first served, within one computation). A
-synchronous collective waits for the links too; its wait is exposed. Transfers on
-separate links run together at full rate. A while loop costs its trip count (the condition's bound minus the counter's
-initial value, or the compiler's ``known_trip_count``) times its body; a
-conditional its slowest branch; a call its callee.
+uses (a collective-permute the link most of its pairs hop along, a group
+collective both directions of every torus dimension its group spans; ``links``),
+and one issued while another holds any of them starts when that one finishes
+(first come, first served, within one computation). A synchronous collective
+waits for the links too; its wait is exposed. Transfers on separate links run
+together at full rate. A while loop costs its trip count (the condition's bound
+minus the counter's initial value, or the compiler's ``known_trip_count``) times
+its body; a conditional its slowest branch; a call its callee.
 
 Asynchronous collectives come in three printed forms, all read the same way
 (a transfer from start to done, hidden by the compute scheduled between):
@@ -646,7 +646,7 @@ class _Model:
         'channel': channel(coll),
         'op_name': ins.op_name, 'bytes': sum(shape_bytes(shapes.get(o, '')) for o in
                                              ins.operands),
-        'transfer_s': s, 'finish': begin + s, 'started': tl.seconds, 'compute': 0.0,
+        'transfer_s': s, 'finish': begin + s, 'queued_s': begin - tl.seconds, 'compute': 0.0,
         'einsums': []}
 
   def _done(self, ins: Instr, tl: Timeline, pending, by_name) -> None:
@@ -671,7 +671,7 @@ class _Model:
           'kind': p['kind'], 'op_name': p['op_name'], 'bytes': p['bytes'],
           'transfer_us': p['transfer_s'] * 1e6, 'compute_between_us': p['compute'] * 1e6,
           'exposed_us': wait * 1e6, 'einsums_between': p['einsums'],
-          'queued_us': (p['finish'] - p['transfer_s'] - p['started']) * 1e6})
+          'queued_us': p['queued_s'] * 1e6})
 
   def trip_count(self, ins: Instr, comp: str) -> int:
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
