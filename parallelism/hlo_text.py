@@ -210,13 +210,18 @@ def collectives_over(module: Module, mesh, axis: str, op_name_filter=None) -> li
   return found
 
 
+def source_target_pairs(attrs: str) -> list[tuple[int, int]]:
+  """A collective-permute's (source, target) device pairs."""
+  m = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', attrs)
+  return [(int(a), int(b)) for a, b in re.findall(r'\{(\d+),(\d+)\}', m.group(1))] if m else []
+
+
 def permute_offsets(module: Module, mesh, axis: str) -> list[int]:
   """For each collective-permute: how far along ``axis`` its data moves (mod the size)."""
   coords, n = _mesh_coords(mesh, axis)
   offsets = []
   for ins in (i for instrs in module.computations.values() for i in instrs):
     if ins.opcode.removesuffix('-start') == 'collective-permute':
-      pairs = re.search(r'source_target_pairs=\{\{(\d+),(\d+)\}', ins.attrs)
-      src, dst = int(pairs.group(1)), int(pairs.group(2))
+      src, dst = source_target_pairs(ins.attrs)[0]
       offsets.append((coords[dst] - coords[src]) % n)
   return offsets

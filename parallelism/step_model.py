@@ -92,7 +92,7 @@ import numpy as np
 
 from parallelism import hardware
 from parallelism.hlo_text import (Instr, Module, first_group, parse, shape_bytes,
-                                  shape_dims, tuple_element)
+                                  shape_dims, source_target_pairs, tuple_element)
 
 FREE = {'parameter', 'get-tuple-element', 'tuple', 'constant', 'bitcast', 'after-all',
         'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'domain',
@@ -408,9 +408,7 @@ def links(ins: Instr, num_partitions: int, coords=None) -> frozenset:
   group take turns.
   """
   if ins.opcode.removesuffix('-start') == 'collective-permute':
-    m = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', ins.attrs)
-    pairs = [tuple(map(int, p)) for p in re.findall(r'\{(\d+),(\d+)\}', m.group(1))] \
-        if m else []
+    pairs = source_target_pairs(ins.attrs)
     if coords is None:
       return frozenset({('pairs',) + tuple(sorted(pairs))})
     extents = np.array(coords).max(axis=0) + 1
