@@ -30,8 +30,8 @@ from parallelism import hardware as hw
 from parallelism.einsum_plan import AxisPlan, Equation
 
 MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
-# What a reduce-scatter ring's accumulators travel in: the compute dtype (bf16 for a
-# bf16 model: half the bytes; each device still adds in fp32) or float32.
+# What a ring's partial sums travel and rest in: the compute dtype (bf16 for a bf16
+# model: half the bytes; each device still adds in fp32) or float32.
 RING_DTYPES = ('compute', 'float32')
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
 SCOPE = 'collective_einsum'
@@ -253,9 +253,10 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     unroll: 1, or 2 for two ring steps per loop iteration.
     hardware: a ``parallelism.hardware`` profile name for the cost model
       (default: ``cpu``, where decomposition never pays).
-    ring_dtype: what partial sums travel in (``RING_DTYPES``): the rings'
-      reduce-scatter accumulators, and under ``none`` the dot's output, which the
-      compiler's reduce-scatter or all-reduce carries.
+    ring_dtype: what partial sums travel and rest in (``RING_DTYPES``): the rings'
+      accumulators (a reduce-scatter's on the wire, a contracting all-gather's between
+      steps), and under ``none`` the dot's output, which the compiler's reduce-scatter
+      or all-reduce carries.
 
   Returns:
     The result laid out as ``out_spec``; bf16 products accumulate in fp32 on
@@ -383,7 +384,7 @@ class _Ring:
   split: tuple[int, int]  # ring.ring_split: contributions arriving from each direction
   unroll: int | bool      # ring steps per loop iteration (True: all of them)
   dtype: Any              # the einsum's result dtype
-  wire: Any               # what reduce-scatter accumulators travel in
+  wire: Any               # what partial sums travel and rest in between ring steps
   manual: tuple[str, ...]  # the shard_map's manual axes: the ring's, then ``summed``
   summed: tuple[str, ...]  # axes whose partial sums are reduced after the ring
   scatter: dict           # output dim -> the summed axes it is reduce-scattered over
@@ -601,20 +602,25 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
       part = jnp.einsum(local_eq, block, o, preferred_element_type=acc_dtype)
       return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), src * m, out_dim)
   else:  # allgather_contracting: o holds the whole contracting dim
-    o_dim = o_letters.index(x)
+    # Partial sums rest between steps in the wire dtype, as a reduce-scatter ring's do
+    # (bf16 for a bf16 model: half an fp32 accumulator's memory and HBM traffic); each
+    # step's product leaves the MXU in it and is added in fp32, rounded once.
+    wire, o_dim = r.wire, o_letters.index(x)
     out_shape = jax.eval_shape(
         lambda a, b: jnp.einsum(local_eq, a, jax.lax.dynamic_slice_in_dim(b, 0, m, o_dim)),
         g, o).shape
-    acc = jax.lax.pcast(jnp.zeros(out_shape, acc_dtype), r.manual, to='varying')
+    acc = jax.lax.pcast(jnp.zeros(out_shape, wire), r.manual, to='varying')
 
     def consume_pair(acc, a, src_a, b, src_b):  # both blocks contracted in one einsum
       pieces = [jax.lax.dynamic_slice_in_dim(o, s * m, m, o_dim) for s in (src_a, src_b)]
-      return acc + jnp.einsum(local_eq, jnp.concatenate([a, b], g_letters.index(x)),
-                              jnp.concatenate(pieces, o_dim), preferred_element_type=acc_dtype)
+      return ring.sum_rounded(acc, jnp.einsum(
+          local_eq, jnp.concatenate([a, b], g_letters.index(x)),
+          jnp.concatenate(pieces, o_dim), preferred_element_type=wire))
 
     def consume(acc, block, src):
       piece = jax.lax.dynamic_slice_in_dim(o, src * m, m, o_dim)
-      return acc + jnp.einsum(local_eq, block, piece, preferred_element_type=acc_dtype)
+      return ring.sum_rounded(acc, jnp.einsum(local_eq, block, piece,
+                                              preferred_element_type=wire))
 
   out = ring.all_gather_einsum(g, consume, acc, axis=plan.axis, n=n, idx=idx, split=r.split,
                                unroll=r.unroll, consume_pair=consume_pair)

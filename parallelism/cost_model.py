@@ -7,9 +7,9 @@ For the decomposed axis of size N, per device:
   one ring step takes ``c = max(F / N / peak, b / HBM bandwidth)``, where ``b``
   is what one step reads and writes: its operand blocks and output part, plus,
   where partial sums accumulate, the partial sum written, then read with the
-  accumulator and their sum written, every step (an all-gather over a contracted
-  dim: in fp32, the addition apart from the einsum; a reduce-scatter's: in the
-  wire dtype, with the arriving accumulator). A block sliced out of an operand along
+  accumulator and their sum written, every step, in the wire dtype (an all-gather
+  over a contracted dim: the addition apart from the einsum; a reduce-scatter's:
+  with the arriving accumulator). A block sliced out of an operand along
   any dimension but its first is copied before the einsum: that copy's traffic adds to
   ``c`` (``_sliced_copy_bytes``). A ring whose steps are bound by
   that traffic while the plain einsum is not loses to ``none`` (the same
@@ -162,7 +162,6 @@ def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
   ``n`` the ring's size; ``wire`` the bytes of a partial sum's element.
   """
   lhs, rhs, out = local['l'], local['r'], local['o']
-  acc = 4  # partial sums accumulate in fp32
   if plan.kind == 'reducescatter':  # the unreduced output, then its reduce-scatter
     owner, other = (lhs, rhs) if plan.out_letter in eq.lhs else (rhs, lhs)
     plain = itemsize * (lhs + rhs) + wire * n * out
@@ -175,8 +174,9 @@ def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
   if plan.kind == 'allgather_free':  # blocks, the other operand, parts of the output
     step = lambda k: itemsize * (k * g + o + k * out / n)
     return plain, step(1), step(2)
-  # allgather_contracting: blocks and slices of the other; the product written in fp32, then
-  # it and the accumulator read and their sum written (the compiler keeps the addition
-  # apart from the einsum where their layouts differ: dense_64b's weight gradients)
-  step = lambda k: itemsize * k * (g + o / n) + 4 * acc * out
+  # allgather_contracting: blocks and slices of the other; the product written, then it and
+  # the accumulator read and their sum written, all in the wire dtype (the compiler keeps
+  # the addition apart from the einsum where their layouts differ: dense_64b's weight
+  # gradients)
+  step = lambda k: itemsize * k * (g + o / n) + 4 * wire * out
   return plain, step(1), step(2)

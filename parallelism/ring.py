@@ -131,7 +131,7 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     return partial(idx)
 
   def step_r(s, acc_r):
-    return _sum(recv_from(acc_r, axis, n, -1), _unfused(partial(at(n_right - s))))
+    return sum_rounded(recv_from(acc_r, axis, n, -1), _unfused(partial(at(n_right - s))))
 
   if n_left:  # accumulators that move right (n_right hops) and left (n_left hops)
     acc_r, acc_l = partial_pair(at(n_right), at(-n_left))
@@ -139,8 +139,8 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     def both(s, carry):
       acc_r, acc_l = carry
       mine_r, mine_l = partial_pair(at(n_right - s), at(s - n_left), _unfused)
-      return (_sum(recv_from(acc_r, axis, n, -1), mine_r),
-              _sum(recv_from(acc_l, axis, n, +1), mine_l))
+      return (sum_rounded(recv_from(acc_r, axis, n, -1), mine_r),
+              sum_rounded(recv_from(acc_l, axis, n, +1), mine_l))
 
     acc_r, acc_l = _loop(1, n_left, both, (acc_r, acc_l), unroll)
   else:
@@ -149,10 +149,10 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   last = [recv_from(acc_r, axis, n, -1), partial(idx)]
   if n_left:
     last.append(recv_from(acc_l, axis, n, +1))
-  return _sum(*last)
+  return sum_rounded(*last)
 
 
-def _sum(*xs: jax.Array) -> jax.Array:
+def sum_rounded(*xs: jax.Array) -> jax.Array:
   """The sum of ``xs`` computed in fp32 (or wider), rounded once to their dtype."""
   acc = jnp.promote_types(xs[0].dtype, jnp.float32)
   total = xs[0].astype(acc)

@@ -117,7 +117,7 @@ class MatmulPolicy:
   direction: str = 'unidirectional'     # for 'always': unidirectional | bidirectional
   unroll: int = 1                       # ring steps per loop iteration: 1 | 2
   hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
-  ring_dtype: str = 'compute'           # reduce-scatter accumulators on the wire: compute | float32
+  ring_dtype: str = 'compute'           # rings' partial sums, on the wire and between steps: compute | float32
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':

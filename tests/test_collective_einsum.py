@@ -296,6 +296,30 @@ def test_reduce_scatter_accumulators_travel_in_the_compute_dtype(mode):
             out_spec=os_, ring_dtype='int8')
 
 
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+def test_contracting_ring_partial_sums_rest_in_the_compute_dtype(mode):
+  # An all-gather ring over a contracted dim (a weight gradient over tensor) adds each
+  # block's product into its output: under ring_dtype='compute' that partial sum rests in
+  # bf16 between steps (half an fp32 one's memory), each addition in fp32, rounded once.
+  eq, ls, rs, os_ = 'btd,btf->df', P(D, T, None), P(D, None, T), P(None, T)
+  mesh = _mesh(8, 1)
+  lhs = jax.random.normal(jax.random.key(0), (2, 64, 32)).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(1), (2, 64, 128)).astype(jnp.bfloat16)
+  ref = jnp.einsum(eq, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+  d = explain(eq, lhs.shape, rhs.shape, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode=mode)
+  assert d.collective == 'allgather_contracting', d
+  outs = {}
+  for ring_dtype, want in (('compute', 'bf16'), ('float32', 'f32')):
+    f = jax.jit(lambda x, g, r=ring_dtype: collective_einsum(
+        eq, x, g, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, mode=mode, ring_dtype=r))
+    outs[ring_dtype] = f(lhs, rhs)
+    text = f.lower(lhs, rhs).as_text()
+    assert set(re.findall(r'dot_general.*-> tensor<32x16x(\w+)>', text)) == {want}, text
+  assert _rel(outs['float32'], ref) < 5e-3  # one bf16 rounding of the result
+  assert _rel(outs['compute'], ref) < 1.5e-2  # plus one per ring step
+
+
 def test_gradients_left_to_the_compiler_carry_the_wire_dtype():
   # A weight gradient computed as one einsum (backward form 'none') leaves its partial
   # sums over the batch to the compiler's reduce-scatter: in bf16 under ring_dtype='compute',
