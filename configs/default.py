@@ -124,9 +124,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.collective_matmul = 'always'    # auto (cost model) | always | never
   c.parallelism.direction = 'unidirectional'    # ring direction under 'always'
   c.parallelism.unroll = 1                      # ring steps per loop iteration: 1 | 2
-  # Partial sums on the wire (reduce-scatter rings, and the compiler's collectives of plain
-  # einsums): compute (the model's dtype; each device adds in fp32) | float32.
+  # Partial sums on the wire and between ring steps (rings, and the compiler's collectives
+  # of plain einsums): compute (the model's dtype; each device adds in fp32) | float32.
   c.parallelism.ring_dtype = 'compute'
+  # Weight-gradient rings under 'auto': any (the cost model's fastest form) | sharded (none
+  # whose accumulator holds the gradient whole over fsdp: less memory, for tight models).
+  c.parallelism.gradient_accumulators = 'any'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

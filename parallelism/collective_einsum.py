@@ -26,13 +26,17 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import cost_model, einsum_plan, ring
-from parallelism import hardware as hw
 from parallelism.einsum_plan import AxisPlan, Equation
 
 MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
 # What a ring's partial sums travel and rest in: the compute dtype (bf16 for a bf16
 # model: half the bytes; each device still adds in fp32) or float32.
 RING_DTYPES = ('compute', 'float32')
+# Which weight-gradient rings may hold the gradient whole over an axis it is reduced over
+# afterwards (fsdp): 'any' (the cost model's fastest form), or 'sharded' (no such ring: an
+# all-gather ring over the forward's axis whose accumulator is the local gradient whole
+# over fsdp; the gradient rings over fsdp or is one einsum, for models tight on memory).
+GRADIENT_ACCUMULATORS = ('any', 'sharded')
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
 SCOPE = 'collective_einsum'
 
@@ -64,7 +68,8 @@ class Decision:
 
 
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
-            mode='auto', hardware=None, ring_dtype='compute') -> Decision:
+            mode='auto', hardware=None, ring_dtype='compute',
+            gradient_accumulators='any') -> Decision:
   """Decides how ``collective_einsum`` would run, without running it.
 
   Raises:
@@ -74,6 +79,9 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     raise ValueError(f'mode={mode!r} is not one of {MODES}')
   if ring_dtype not in RING_DTYPES:
     raise ValueError(f'ring_dtype={ring_dtype!r} is not one of {RING_DTYPES}')
+  if gradient_accumulators not in GRADIENT_ACCUMULATORS:
+    raise ValueError(f'gradient_accumulators={gradient_accumulators!r} is not one of '
+                     f'{GRADIENT_ACCUMULATORS}')
   wire_fp32 = ring_dtype == 'float32'
   eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
   # An axis of size 1 needs no collective whatever the specs say.
@@ -102,7 +110,7 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
         ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
     if choice != 'none':
       rings = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                              hardware, wire_fp32)
+                              hardware, wire_fp32, gradient_accumulators == 'sharded')
       backward = tuple('none' if r is None else 'ring' for r in rings)
       backward_over = tuple(None if r is None or r[0] == chosen.axis else r for r in rings)
       for which, r in zip(('lhs', 'rhs'), rings):
@@ -118,26 +126,24 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
 
 
 def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, mesh, hardware,
-                    wire_fp32) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+                    wire_fp32, sharded: bool = False
+                    ) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum.
 
   The candidates are one einsum, the ring over the forward's ``axis`` (in its ``mode``)
   and a ring over any other axis over which the gradient einsum reduce-scatters (a weight
   gradient over ``fsdp``, in that ring's best mode). Each is costed as its ring (or its
-  einsum) plus the collectives it leaves to the compiler that block the chip: every
-  reduce-scatter (synchronous under the TPU flags), and an all-gather of the cotangent;
-  an all-gather of one of the forward's inputs is not counted where the profile runs
-  collectives asynchronously, since it is ready before the layer's backward pass begins
-  and the compiler's asynchronous gather overlaps it (dense_500b's programs show those
-  gathers as asynchronous collective fusions). That is optimistic: the step model's links
-  show such a gather over ``tensor`` holding the links the data gradient's ring needs
-  (64B: the q/k/v data gradient's ring queued 0.35 s a step behind ``mlp.gate_up``'s). Counting
-  it took the 64B from 4.704 to 4.612 s a step, but moved ``moe_1t``'s q/k/v and unembedding
-  weight gradients to rings whose fp32 accumulators do not fit (30.89 GiB of 30.75); a choice
-  that also weighs memory is still to come. The least wins; ties go to the forward's ring.
+  einsum) plus the transfers of the collectives it leaves to the compiler: a reduce-scatter
+  blocks the chip (synchronous under the TPU flags), an all-gather of the cotangent is
+  waited for, and an all-gather of one of the forward's inputs, though the compiler
+  prefetches it asynchronously, holds the links of the forward's axis while the other
+  gradient's ring runs over them, so the two take turns (the step model's ``links``; 64B's
+  ``mlp.gate_up``: x's gather over tensor queued the data gradient's ring behind it; counted,
+  its weight gradient rings over tensor: 64B 4.700 -> 4.649 s a step, 500B 8.027 -> 7.859 s,
+  modeled). The least wins; ties go to the forward's ring. Under ``sharded`` (``GRADIENT_ACCUMULATORS``)
+  an all-gather ring over the forward's axis is no candidate where the gradient is reduced
+  over another axis afterwards: its accumulator would hold the gradient whole over that axis.
   """
-  profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
-      hardware or cost_model.DEFAULT_HARDWARE)
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
   out_shape = tuple(sizes[l] for l in eq.out)
   lhs_spec, rhs_spec, out_spec = specs
@@ -156,20 +162,20 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
               mesh.shape[p.axis] > 1 and
               not _problem(t_eq, p, t_shapes, t_specs, mesh, alone=False)]
     candidates = [plan] + others
+    whole = sharded and plan.kind == 'allgather_contracting' and any(
+        p.kind == 'reducescatter' and p.axis != axis and mesh.shape[p.axis] > 1 for p in plans)
     est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, wire_fp32)
            for p in candidates}
-    cotangent = 'rhs' if which == 'rhs' else 'lhs'  # the transposed einsum's operand
-    prefetched = lambda p: (profile.async_collectives and p.kind != 'reducescatter' and
-                            p.gathered != cotangent)
-    blocking = {p.axis: 0.0 if prefetched(p) else est[p.axis].comm_seconds for p in candidates}
-    left = lambda a: sum(s for b, s in blocking.items() if b != a)
-    total = {(axis, mode): est[axis].seconds[mode] + left(axis)}
+    # The compiler's collective over each axis, where the ring runs over another one.
+    compiler = {p.axis: est[p.axis].comm_seconds for p in candidates}
+    left = lambda a: sum(s for b, s in compiler.items() if b != a)
+    total = {} if whole else {(axis, mode): est[axis].seconds[mode] + left(axis)}
     for p in others:
       for m in ('unidirectional', 'bidirectional'):
         total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
-    best = min(total, key=lambda r: (total[r], r[0] != axis))  # ties: the forward's ring
-    plain = est[axis].compute_seconds + sum(blocking.values())
-    rings.append(best if total[best] <= plain else None)
+    plain = est[axis].compute_seconds + sum(compiler.values())
+    best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
+    rings.append(best if best and total[best] <= plain else None)
   return tuple(rings)
 
 

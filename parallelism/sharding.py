@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops
 from parallelism import moe
-from parallelism.collective_einsum import RING_DTYPES, explain, run_decision
+from parallelism.collective_einsum import GRADIENT_ACCUMULATORS, RING_DTYPES, explain, run_decision
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -118,17 +118,19 @@ class MatmulPolicy:
   unroll: int = 1                       # ring steps per loop iteration: 1 | 2
   hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
   ring_dtype: str = 'compute'           # rings' partial sums, on the wire and between steps: compute | float32
+  gradient_accumulators: str = 'any'    # any | sharded (no weight-gradient ring holding it whole over fsdp)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
-    return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype)
+    return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
+               p.gradient_accumulators)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
                'direction': ('unidirectional', 'bidirectional'), 'unroll': (1, 2),
-               'ring_dtype': RING_DTYPES}
+               'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -195,7 +197,8 @@ class ShardedOps(Ops):
         lambda mode: explain(
             equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
             lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
-            hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype),
+            hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype,
+            gradient_accumulators=self.policy.gradient_accumulators),
         never='none', always=self.policy.direction))
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       return run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],

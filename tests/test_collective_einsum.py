@@ -353,8 +353,8 @@ def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
 
 
 def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
-  # All-gather over a contracted dim: every step reads and writes the fp32
-  # accumulator [b, f/8]; with d/8 = 256 contracted per step (512 per bidirectional
+  # All-gather over a contracted dim: every step reads and writes the accumulator
+  # [b, f/8] (bf16 under ring_dtype='compute'); with d/8 = 256 contracted per step (512 per bidirectional
   # round, whose one einsum reads and writes it once) that traffic outlasts the
   # matmul on v4 (1.2 TB/s against 275 TFLOP/s), so the ring loses to the plain
   # einsum, which stays MXU-bound; contracting 8192 per step it is MXU-bound and wins.
@@ -367,10 +367,13 @@ def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   est = lambda d: cost_model.estimate(eq, plan, (b, d), (d, f), 'bfloat16', mesh, 'tpu_v4')
   shallow, deep = est(2048), est(65536)
   assert shallow.step_memory_bound and not deep.step_memory_bound
-  # per step: an x block and a w slice in bf16; the fp32 product [b, f/8] written, then it
-  # and the accumulator read and their sum written
-  step_bytes = 2 * (b * 2048 / 8 + 2048 * f / 64) + 4 * 4 * b * f / 8
-  assert shallow.step_compute_seconds == pytest.approx(step_bytes / 1.2e12)
+  # per step: an x block and a w slice in bf16; the product [b, f/8] written, then it and
+  # the accumulator read and their sum written, in the wire dtype (fp32 under 'float32')
+  step_bytes = lambda wire: 2 * (b * 2048 / 8 + 2048 * f / 64) + 4 * wire * b * f / 8
+  assert shallow.step_compute_seconds == pytest.approx(step_bytes(2) / 1.2e12)
+  fp32 = cost_model.estimate(eq, plan, (b, 2048), (2048, f), 'bfloat16', mesh, 'tpu_v4',
+                             wire_fp32=True)
+  assert fp32.step_compute_seconds == pytest.approx(step_bytes(4) / 1.2e12)
   assert shallow.step_compute_seconds > 1.5 * (2 * b * 2048 * f / 64 / 275e12)  # its FLOPs
   pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
                            hardware='tpu_v4').mode
@@ -477,24 +480,34 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   assert d.axis == T and d.collective == 'reducescatter', d
   assert d.backward == ('ring', 'ring') and d.backward_over == (None, (F, 'bidirectional'))
   assert d.gradient(1) == 'bidirectional over fsdp' and 'rhs bidirectional over fsdp' in d.reason
-  # 64B's mlp.gate_up (fsdp=64 x tensor=8, 8,192 tokens a chip): the ring over tensor
-  # would gather x block by block and add each block's fp32 product into a [2, d, f/8]
-  # accumulator (HBM-bound), then leave the reduce-scatter over fsdp; the ring over fsdp
-  # leaves only x's gather over tensor, which the compiler prefetches (x is the forward's
-  # input, ready before the layer's backward): it wins.
+  # 64B's mlp.gate_up (fsdp=64 x tensor=8, 16,384 tokens a tensor group): the ring over
+  # fsdp would leave x's gather over tensor to the compiler, which prefetches it, but its
+  # transfer holds the tensor links the data gradient's ring needs (compiled, the ring
+  # queued behind it: 64B ours 4.700 s a step against 4.649 s with the weight gradient's
+  # ring over tensor, modeled with links taking turns). The ring over tensor wins.
   mesh64 = jax.sharding.AbstractMesh((1, 64, 8), (D, F, T))
-  d = explain('btd,sdf->btsf', (256, 2048, 8192), (2, 8192, 26112), 'bfloat16', mesh=mesh64,
-              lhs_spec=P(B, T, None), rhs_spec=P(None, F, T), out_spec=P(B, None, None, T),
-              hardware='tpu_v4')
-  assert d.axis == T and d.backward_over == (None, (F, 'bidirectional')), d
+  gate_up = lambda **kw: explain(
+      'btd,sdf->btsf', (512, 2048, 8192), (2, 8192, 26112), 'bfloat16', mesh=mesh64,
+      lhs_spec=P(B, T, None), rhs_spec=P(None, F, T), out_spec=P(B, None, None, T),
+      hardware='tpu_v4', **kw)
+  d = gate_up()
+  assert d.axis == T and d.backward == ('ring', 'ring'), d
+  assert d.backward_over == (None, None), d
+  # Under gradient_accumulators='sharded' that ring, whose accumulator holds the [2, d, f/8]
+  # gradient whole over fsdp, is no candidate: the ring over fsdp is next best.
+  d = gate_up(gradient_accumulators='sharded')
+  assert d.backward_over == (None, (F, 'bidirectional')), d
+  with pytest.raises(ValueError, match="gradient_accumulators='whole'"):
+    gate_up(gradient_accumulators='whole')
   # 64B's attn.qkv at 512 sequences: 1,280 columns a chip, so each of its 64 ring steps over
-  # fsdp computes little, and copies its strided block of x ([8, 2048, 128]) first: one
-  # einsum and the compiler's reduce-scatter cost less (compiled: 4.527 s a step against
-  # 4.588 s with the ring, modeled).
+  # fsdp computes little, and copies its strided block of x ([8, 2048, 128]) first (compiled:
+  # 4.588 s a step against 4.527 s for one einsum, modeled before links took turns); one
+  # einsum leaves x's gather over tensor besides the reduce-scatter over fsdp: the ring
+  # over tensor costs least.
   d = explain('btd,dkgh->btkgh', (512, 2048, 8192), (8192, 8, 10, 128), 'bfloat16',
               mesh=mesh64, lhs_spec=P(B, T, None), rhs_spec=P(F, T, None, None),
               out_spec=P(B, None, T, None, None), hardware='tpu_v4')
-  assert d.backward == ('ring', 'none'), d
+  assert d.backward == ('ring', 'ring') and d.backward_over == (None, None), d
   # Where data shards the batch too (data=2), fsdp does not shard it alone: no such ring.
   mesh = jax.sharding.AbstractMesh((2, 64, 8), (D, F, T))
   d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,

@@ -179,9 +179,13 @@ class Parallelism:
   direction: str = _key('unidirectional', 'ring direction under always: unidirectional | '
                                           'bidirectional (under auto the cost model chooses)')
   unroll: int = _key(1, 'ring steps per loop iteration: 1 | 2')
-  ring_dtype: str = _key('compute', 'what partial sums travel in (reduce-scatter rings, and '
+  ring_dtype: str = _key('compute', 'what partial sums travel and rest in (rings, and '
                                     "the compiler's collectives of plain einsums): compute "
                                     "(the model's dtype; each device adds in fp32) | float32")
+  gradient_accumulators: str = _key('any', 'weight-gradient rings under auto: any (the cost '
+                                           "model's fastest form) | sharded (none whose "
+                                           'accumulator holds the gradient whole over fsdp; '
+                                           'for models tight on memory)')
 
 
 @dataclasses.dataclass(frozen=True)
