@@ -140,7 +140,13 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
   gradient's ring runs over them, so the two take turns (the step model's ``links``; 64B's
   ``mlp.gate_up``: x's gather over tensor queued the data gradient's ring behind it; counted,
   its weight gradient rings over tensor: 64B 4.700 -> 4.649 s a step, 500B 8.027 -> 7.859 s,
-  modeled). The least wins; ties go to the forward's ring. Under ``sharded`` (``GRADIENT_ACCUMULATORS``)
+  modeled). The least wins; ties go to the forward's ring.
+
+  The cotangent's gather over the forward's axis is counted even where the data
+  gradient's ring hands it on whole (``keeps_cotangent``), which the forms other than the
+  forward's ring then save: not counting it moved dense_500b's ``attn.o`` weight gradient
+  from the ring over tensor to the one over fsdp, 7.834 s a step against 7.773 s
+  (modeled): the fsdp ring's 128 short steps cost more than the model says. Under ``sharded`` (``GRADIENT_ACCUMULATORS``)
   an all-gather ring over the forward's axis is no candidate where the gradient is reduced
   over another axis afterwards: its accumulator would hold the gradient whole over that axis.
   """
@@ -356,9 +362,32 @@ def _decomposed_fwd(cfg, lhs, rhs):
 
 def _decomposed_bwd(cfg, residuals, g):
   lhs, rhs = residuals
-  d_lhs = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, cfg.backward[0])
+  eq, specs = Equation.parse(cfg.equation), (cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  if (cfg.backward == ('ring', 'ring') and cfg.backward_over[0] is None and
+      cfg.backward_over[1] is not None and keeps_cotangent(eq, cfg.axis, specs, cfg.mesh)):
+    # The data gradient's ring gathers g over the forward's axis block by block; the
+    # weight gradient's ring over another axis (fsdp) gets g whole from it instead of the
+    # compiler gathering it again (the same bytes twice over the same links). Not for a
+    # weight gradient as one einsum: the compiler then kept g whole longer (moe_1t's
+    # attn.o and mlp.down: 31.69 GiB per chip, 29.88 with the compiler's gather).
+    d_lhs, g = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, keep_gathered=True)
+  else:
+    d_lhs = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, cfg.backward[0])
   d_rhs = _transpose_einsum(cfg.transposed('rhs'), lhs, g, rhs.dtype, cfg.backward[1])
   return d_lhs, d_rhs
+
+
+def keeps_cotangent(eq: Equation, axis: str, specs, mesh) -> bool:
+  """Whether the data gradient's ring over ``axis`` gathers the cotangent (an
+  all-gather ring, the transpose of a reduce-scatter one: ``attn.o``, ``mlp.down``) with
+  no partial sums over other axes, so that it can hand the cotangent on whole."""
+  lhs_spec, rhs_spec, out_spec = specs
+  d_eq, plans = einsum_plan.plan(f'{eq.out},{eq.rhs}->{eq.lhs}', out_spec, rhs_spec, lhs_spec)
+  plan = next((p for p in plans if p.axis == axis), None)
+  if plan is None or plan.kind != 'allgather_free' or plan.gathered != 'lhs':
+    return False
+  hoisted = hoisted_specs(d_eq, axis, out_spec, rhs_spec, lhs_spec)
+  return not [a for a in _summed_axes(d_eq, axis, *hoisted) if mesh.shape[a] > 1]
 
 
 _decomposed.defvjp(_decomposed_fwd, _decomposed_bwd)
@@ -369,16 +398,20 @@ def _axis_plan(cfg: _Static) -> tuple[Equation, AxisPlan]:
   return eq, next(p for p in plans if p.axis == cfg.axis)
 
 
-def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring'):
+def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring',
+                      keep_gathered: bool = False):
   """A gradient einsum, decomposed over the same axis when its pattern allows and
-  ``form`` is 'ring'; else one einsum over what the compiler gathers."""
+  ``form`` is 'ring'; else one einsum over what the compiler gathers. With
+  ``keep_gathered`` (a ring), also the operand the ring gathered (``_ring_einsum``)."""
   eq, plan = _axis_plan(cfg)
+  whole = None
   if plan.kind in DECOMPOSABLE and form == 'ring':
-    out = _ring_einsum(cfg, a, b)
+    out = _ring_einsum(cfg, a, b, keep_gathered)
+    out, whole = out if keep_gathered else (out, None)
   else:  # e.g. an all-reduce: the compiler's collective, of partial sums in the wire dtype
     out = jnp.einsum(str(eq), a, b, preferred_element_type=_wire(dtype, cfg.wire_fp32))
   out = jax.lax.with_sharding_constraint(out, NamedSharding(cfg.mesh, cfg.out_spec))
-  return out.astype(dtype)
+  return (out.astype(dtype), whole) if keep_gathered else out.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,11 +428,16 @@ class _Ring:
   summed: tuple[str, ...]  # axes whose partial sums are reduced after the ring
   scatter: dict           # output dim -> the summed axes it is reduce-scattered over
   reduce_dtype: Any       # what the reduction over ``summed`` carries
+  keep: bool = False      # an all-gather ring also returns the operand it gathered, whole
 
 
-def _ring_einsum(cfg: _Static, lhs, rhs):
-  """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` (and summed axes)."""
-  named = cfg.equation
+def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
+  """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` (and summed axes).
+
+  With ``keep_gathered`` (an all-gather ring without partial sums, ``keeps_cotangent``), returns the
+  result and the operand the ring gathered, whole over ``cfg.axis``: the blocks that passed.
+  """
+  named, before = cfg.equation, Equation.parse(cfg.equation)
   cfg, lhs, rhs = _gathered_dims_major(cfg, lhs, rhs)
   eq, plan = _axis_plan(cfg)
   n = cfg.mesh.shape[cfg.axis]
@@ -440,13 +478,23 @@ def _ring_einsum(cfg: _Static, lhs, rhs):
   # on CPU they are reduced in fp32.
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
-            _wire(dtype, cfg.wire_fp32 or on_cpu))
+            _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered)
+  if keep_gathered:
+    gathered = lhs_spec if plan.gathered == 'lhs' else rhs_spec
+    out_spec = (out_spec, PartitionSpec(*[einsum_plan.spec_entry(tuple(
+        a for a in einsum_plan.axes_of(e) if a in manual and a != cfg.axis)) for e in gathered]))
   # The scope names our ops in HLO metadata, so schedules can be checked.
   with jax.named_scope(f'{SCOPE}/{plan.kind}/{direction}/{named}'):
-    return jax.shard_map(functools.partial(_local, r), mesh=cfg.mesh,
-                         in_specs=(PartitionSpec(cfg.axis), keep(lhs_spec), keep(rhs_spec)),
-                         out_specs=out_spec, axis_names=set(manual))(
-                             ring.ring_positions(n), lhs, rhs)
+    out = jax.shard_map(functools.partial(_local, r), mesh=cfg.mesh,
+                        in_specs=(PartitionSpec(cfg.axis), keep(lhs_spec), keep(rhs_spec)),
+                        out_specs=out_spec, axis_names=set(manual),
+                        # every device of the ring holds the same whole operand, which the
+                        # type check cannot see in blocks written one ring step at a time
+                        check_vma=not keep_gathered)(ring.ring_positions(n), lhs, rhs)
+  if not keep_gathered:
+    return out
+  old, new = ((before.lhs, eq.lhs) if plan.gathered == 'lhs' else (before.rhs, eq.rhs))
+  return out[0], jnp.transpose(out[1], [new.index(l) for l in old])
 
 
 def _gathered_dims_major(cfg: _Static, lhs, rhs):
@@ -549,7 +597,7 @@ def _local(r: _Ring, ids, lhs, rhs):
     out = _reduce_scatter_local(r, ids[0], lhs, rhs)
   else:
     out = _all_gather_local(r, ids[0], lhs, rhs)
-  if not r.summed:
+  if not r.summed or r.keep:  # a kept ring has no partial sums (``keeps_cotangent``)
     return out
   out = out.astype(r.reduce_dtype)
   scattered = set()
@@ -628,6 +676,30 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
       return ring.sum_rounded(acc, jnp.einsum(local_eq, block, piece,
                                               preferred_element_type=wire))
 
+  if r.keep:  # every block that passes is also written into the whole operand
+    consume, consume_pair = _keeping(consume, consume_pair, g_letters.index(x), m)
+    acc = (acc, jax.lax.pcast(jax.lax.empty(_times(g.shape, g_letters.index(x), n), g.dtype),
+                              r.manual, to='varying'))
   out = ring.all_gather_einsum(g, consume, acc, axis=plan.axis, n=n, idx=idx, split=r.split,
                                unroll=r.unroll, consume_pair=consume_pair)
-  return out.astype(dtype)
+  return (out[0].astype(dtype), out[1]) if r.keep else out.astype(dtype)
+
+
+def _times(shape, dim, n):
+  return shape[:dim] + (shape[dim] * n,) + shape[dim + 1:]
+
+
+def _keeping(consume, consume_pair, dim, m):
+  """``consume`` and ``consume_pair`` over (acc, whole): each block also written into
+  ``whole`` at its source's offset along ``dim``."""
+  put = lambda whole, block, src: jax.lax.dynamic_update_slice_in_dim(whole, block, src * m, dim)
+
+  def keep_one(carry, block, src):
+    acc, whole = carry
+    return consume(acc, block, src), put(whole, block, src)
+
+  def keep_pair(carry, a, src_a, b, src_b):
+    acc, whole = carry
+    return consume_pair(acc, a, src_a, b, src_b), put(put(whole, a, src_a), b, src_b)
+
+  return keep_one, keep_pair
