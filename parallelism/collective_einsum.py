@@ -146,9 +146,11 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
   gradient's ring hands it on whole (``keeps_cotangent``), which the forms other than the
   forward's ring then save: not counting it moved dense_500b's ``attn.o`` weight gradient
   from the ring over tensor to the one over fsdp, 7.834 s a step against 7.773 s
-  (modeled): the fsdp ring's 128 short steps cost more than the model says. Under ``sharded`` (``GRADIENT_ACCUMULATORS``)
-  an all-gather ring over the forward's axis is no candidate where the gradient is reduced
-  over another axis afterwards: its accumulator would hold the gradient whole over that axis.
+  (modeled): the fsdp ring's 128 short steps cost more than the model says.
+
+  Under ``sharded`` (``GRADIENT_ACCUMULATORS``) an all-gather ring over the forward's
+  axis is no candidate where the gradient is reduced over another axis afterwards: its
+  accumulator would hold the gradient whole over that axis.
   """
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
   out_shape = tuple(sizes[l] for l in eq.out)
@@ -434,8 +436,9 @@ class _Ring:
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` (and summed axes).
 
-  With ``keep_gathered`` (an all-gather ring without partial sums, ``keeps_cotangent``), returns the
-  result and the operand the ring gathered, whole over ``cfg.axis``: the blocks that passed.
+  With ``keep_gathered`` (an all-gather ring without partial sums, ``keeps_cotangent``),
+  returns the result and the operand the ring gathered, whole over ``cfg.axis``: the
+  blocks that passed.
   """
   named, before = cfg.equation, Equation.parse(cfg.equation)
   cfg, lhs, rhs = _gathered_dims_major(cfg, lhs, rhs)
@@ -480,6 +483,9 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered)
   if keep_gathered:
+    if summed or plan.kind == 'reducescatter':
+      raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
+                       f'axes keeps what it gathered (summed over {summed}, {plan.kind})')
     gathered = lhs_spec if plan.gathered == 'lhs' else rhs_spec
     out_spec = (out_spec, PartitionSpec(*[einsum_plan.spec_entry(tuple(
         a for a in einsum_plan.axes_of(e) if a in manual and a != cfg.axis)) for e in gathered]))
@@ -597,7 +603,7 @@ def _local(r: _Ring, ids, lhs, rhs):
     out = _reduce_scatter_local(r, ids[0], lhs, rhs)
   else:
     out = _all_gather_local(r, ids[0], lhs, rhs)
-  if not r.summed or r.keep:  # a kept ring has no partial sums (``keeps_cotangent``)
+  if not r.summed:
     return out
   out = out.astype(r.reduce_dtype)
   scattered = set()

@@ -117,8 +117,8 @@ class MatmulPolicy:
   direction: str = 'unidirectional'     # for 'always': unidirectional | bidirectional
   unroll: int = 1                       # ring steps per loop iteration: 1 | 2
   hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
-  ring_dtype: str = 'compute'           # rings' partial sums, on the wire and between steps: compute | float32
-  gradient_accumulators: str = 'any'    # any | sharded (no weight-gradient ring holding it whole over fsdp)
+  ring_dtype: str = 'compute'           # rings' partial sums (wire, between steps): compute | float32
+  gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':

@@ -356,10 +356,10 @@ def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
 
 def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   # All-gather over a contracted dim: every step reads and writes the accumulator
-  # [b, f/8] (bf16 under ring_dtype='compute'); with d/8 = 256 contracted per step (512 per bidirectional
-  # round, whose one einsum reads and writes it once) that traffic outlasts the
-  # matmul on v4 (1.2 TB/s against 275 TFLOP/s), so the ring loses to the plain
-  # einsum, which stays MXU-bound; contracting 8192 per step it is MXU-bound and wins.
+  # [b, f/8] (bf16 under ring_dtype='compute'); with d/8 = 256 contracted per step (512
+  # per bidirectional round, whose one einsum reads and writes it once) that traffic
+  # outlasts the matmul on v4 (1.2 TB/s against 275 TFLOP/s), so the ring loses to the
+  # plain einsum, which stays MXU-bound; contracting 8192 per step it is MXU-bound and wins.
   mesh = _mesh(8, 1)
   specs = dict(lhs_spec=P(None, T), rhs_spec=P(None, T), out_spec=P(None, T))
   eq, plans = einsum_plan.plan('bd,df->bf', *specs.values())
