@@ -409,7 +409,8 @@ def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring',
   whole = None
   if plan.kind in DECOMPOSABLE and form == 'ring':
     out = _ring_einsum(cfg, a, b, keep_gathered)
-    out, whole = out if keep_gathered else (out, None)
+    if keep_gathered:
+      out, whole = out
   else:  # e.g. an all-reduce: the compiler's collective, of partial sums in the wire dtype
     out = jnp.einsum(str(eq), a, b, preferred_element_type=_wire(dtype, cfg.wire_fp32))
   out = jax.lax.with_sharding_constraint(out, NamedSharding(cfg.mesh, cfg.out_spec))
