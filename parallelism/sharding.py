@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops
 from parallelism import moe
-from parallelism.collective_einsum import GRADIENT_ACCUMULATORS, RING_DTYPES, explain, run_decision
+from parallelism.collective_einsum import (GRADIENT_ACCUMULATORS, RING_DTYPES, explain,
+                                          run_decision)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
