@@ -6,7 +6,8 @@ Mesh fsdp=128 x tensor=8 on a v4:8x8x16 slice, global batch 256 x 2048
 tokens, bf16 compute over fp32 master weights and AdamW state, remat
 save_dot_except_qkv (every projection's output kept but q/k/v's, which the
 backward pass recomputes), one layer per scan iteration, splash attention,
-fused q/k/v and gate/up projections.
+fused q/k/v and gate/up projections, XLA's collective pipelining over ICI on top of
+the chip's flags (``hardware.xla_flags``).
 The paper (Wang et al., ASPLOS 2023) reports 72% of peak FLOPS for a 500B
 model on 1024 TPU v4 chips.
 
@@ -45,9 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = 'float32'  # master weights (and AdamW moments)
   c.model.scan_layers = True       # one compiled block, not 100
   # Keep every projection's output but q/k/v's: the backward pass repeats only the q/k/v
-  # projections (no MLP), and it fits with one layer per scan iteration (30.46 GiB per chip
-  # for ours, modeled 7.744 s; 'minimal', or two layers per iteration, does not fit;
-  # 'save_dot_except_mlp' with two fits at 21.30 GiB, 8.086 s; docs/paper_scale.md).
+  # projections (no MLP), and it fits with one layer per scan iteration (29.39 GiB per chip
+  # for ours, modeled 7.496 s; 'minimal' (7.323 s, 30.96 GiB), or two layers per iteration
+  # (7.470 s, 31.12 GiB), does not fit; docs/paper_scale.md).
   c.model.remat = 'save_dot_except_qkv'
   c.model.scan_unroll = 1
   c.model.attention = 'splash'     # the Pallas splash kernel, as MaxText on TPU
@@ -68,9 +69,17 @@ def get_config() -> ml_collections.ConfigDict:
 
   # 'auto': the cost model (tpu_v4 profile) decides per layer.
   c.parallelism.collective_matmul = 'auto'
-  c.parallelism.unroll = 2  # two ring steps per loop iteration: no copies of carried blocks
+  c.parallelism.unroll = 1  # one ring step per loop iteration (2: 7.534 s modeled, below)
 
   c.hardware.name = 'tpu_v4'
+  # The chip's flags (MaxText's), then XLA's pipelining of a scanned layer's all-gathers
+  # and reduce-scatters over ICI into the iteration before (after): the first projection's
+  # weight gather no longer waits at the top of each iteration. As MaxText's recent
+  # recipes; every variant compiles with them (modeled, v4: baseline 8.863 -> 8.578 s,
+  # ours 7.773 -> 7.496 s; also --xla_tpu_enable_ici_ar_pipelining=true: ours 7.626 s;
+  # docs/paper_scale.md).
+  c.hardware.xla_flags = ('default --xla_tpu_enable_ici_ag_pipelining=true '
+                          '--xla_tpu_enable_ici_rs_pipelining=true')
 
   c.aot = ml_collections.ConfigDict()
   c.aot.topology = 'v4:8x8x16'     # the slice launch.aot compiles for (--topology overrides)

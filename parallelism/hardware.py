@@ -140,11 +140,27 @@ def compiler_flags(profile: HardwareProfile, setting: str = 'default') -> str:
   """The compiler flags a program for this chip is built with (LIBTPU_INIT_ARGS or XLA_FLAGS).
 
   ``setting`` is ``hardware.xla_flags``: 'default' (the chip's row above),
-  'none', or a space-separated list used instead of the defaults.
+  'default --a=1 ...' (the chip's row, then these), 'none', or a
+  space-separated list used instead of the defaults.
   """
-  if setting == 'default':
-    return ' '.join(profile.compiler_flags)
+  check_flags(setting)
+  first, _, rest = setting.partition(' ')
+  if first == 'default':
+    return ' '.join(profile.compiler_flags + tuple(rest.split()))
   return '' if setting == 'none' else setting
+
+
+def check_flags(setting: str) -> None:
+  """Raises ValueError naming the first word of ``hardware.xla_flags`` that is not a flag."""
+  words = setting.split()
+  if words[:1] in (['default'], ['none']):
+    if words[0] == 'none' and len(words) > 1:
+      raise ValueError(f"hardware.xla_flags={setting!r}: 'none' takes no flags after it")
+    words = words[1:]
+  for word in words:
+    if not re.fullmatch(r'--\w+(=\S*)?', word):
+      raise ValueError(f"hardware.xla_flags: {word!r} is not a flag of the form --name=value "
+                       "(use 'default', 'default --a=1 ...', 'none' or a list of flags)")
 
 
 def startup_flags(name: str, platform: str, setting: str = 'default') -> str:

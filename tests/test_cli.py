@@ -51,6 +51,8 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),
     (['--bogus'], 'unrecognized argument: --bogus'),
+    (['--config.hardware.xla_flags=default xla_foo=1'],
+     "hardware.xla_flags: 'xla_foo=1' is not a flag of the form --name=value"),
     # values that crashed, or trained nonsense, after writing the workdir
     (['--config.model.num_kv_heads=0'], 'model.num_kv_heads=0 must be at least 1'),
     (['--config.model.d_model=0'], 'model.d_model=0 must be at least 1'),

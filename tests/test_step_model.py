@@ -339,6 +339,10 @@ def test_one_table_of_hardware_facts():
   assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p']) == ' '.join(
       hardware.MAXTEXT_TPU_FLAGS)
   assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p'], 'none') == ''
+  extra = '--xla_tpu_enable_ici_ag_pipelining=true'  # a config adds to its chip's row
+  assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p'], f'default {extra}') == ' '.join(
+      hardware.MAXTEXT_TPU_FLAGS + (extra,))
+  assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p'], extra) == extra
 
 
 SPLASH = r"""HloModule splash, is_scheduled=true, num_partitions=1

@@ -236,7 +236,8 @@ class Hardware:
                                 "host's measured matmul rate / devices)")
   cpu_devices: int = _key(8, 'simulated CPU devices, unless RINGTRAIN_CPU_DEVICES is set')
   xla_flags: str = _key('default', "compiler flags on a TPU (LIBTPU_INIT_ARGS, also launch.aot) "
-                                   "or a GPU (XLA_FLAGS): default (the chip's row) | none | a "
+                                   "or a GPU (XLA_FLAGS): default (the chip's row) | 'default "
+                                   "--a=1 ...' (the row, then these) | none | a "
                                    'space-separated list used instead')
 
 

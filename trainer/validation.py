@@ -25,6 +25,7 @@ def validate(cfg: Config) -> None:
   check_model(cfg.transformer())
   if cfg.hardware.name != 'auto':
     hardware.get_profile(cfg.hardware.name)  # an unknown name: refused before JAX starts
+  hardware.check_flags(cfg.hardware.xla_flags)
   sharding.MatmulPolicy.from_config(cfg).validate()
   _check_optimizer(cfg.optimizer)
   _check_checkpoint(cfg.checkpoint)
