@@ -64,6 +64,12 @@ class Model:
   scan_layers: bool = _key(False, '`jax.lax.scan` over layers (compile time of deep models)')
   scan_unroll: int = _key(1, 'layers per iteration of that scan (2: the compiler can gather '
                              'the next layer\'s weights during this one\'s compute)')
+  cast_in_loop: bool = _key(False, "cast each scanned layer's weights to `dtype` inside the "
+                                   'scan (an optimization barrier): the compiler otherwise '
+                                   "casts all layers' weights before it and keeps that copy "
+                                   'through the forward and backward passes; it also stops '
+                                   "the compiler's pipelining of weight gathers across "
+                                   'iterations')
   remat: str = _key('none', 'recompute activations: none | full (keep each block\'s input '
                             'only) | dots (keep projection outputs; `minimal`, MaxText\'s name) | '
                             'save_dot_except_mlp (keep the attention projections\' outputs, '
