@@ -9,7 +9,8 @@ weights sharded over fsdp (embed) and tensor (mlp); dense weights are sharded
 over fsdp and expert (embed) and tensor (heads, mlp), with the residual stream
 sequence-parallel over tensor. Global batch 1024 x 1024 tokens, bf16 compute
 over fp32 master weights and AdamW state (from dense_500b), remat
-save_dot_except_mlp, two (dense + MoE) units per scan iteration.
+save_dot_except_qkv, one (dense + MoE) unit per scan iteration, each unit's
+weights cast to bf16 inside the scan (model.cast_in_loop).
 
 Each expert's 40 capacity slots are split over tensor (5 per device): the
 all-to-all moves only a device's own slots, and the experts' einsums gather the
@@ -37,10 +38,15 @@ from configs import dense_500b
 
 def get_config() -> ml_collections.ConfigDict:
   c = dense_500b.get_config()  # bf16 compute, scan, optimizer, tpu_v4
-  # Keep the attention projections' outputs, recompute the MLP (29.54 GiB per chip for ours);
-  # two (dense + MoE) units per scan iteration: the second's weight gathers hide behind the first.
-  c.model.remat = 'save_dot_except_mlp'
-  c.model.scan_unroll = 2
+  # Keep every projection's output but q/k/v's (the backward pass recomputes no MLP), one
+  # (dense + MoE) unit per scan iteration, each unit's weights cast inside the scan: the
+  # compiler's bf16 copy of all layers' weights (1.84 GiB per chip) does not fit beside the
+  # MLP outputs (modeled, ours: 3.752 s at 30.37 GiB per chip; with the copy, remat
+  # 'save_dot_except_mlp' and two units per iteration, 3.892 s at 29.88 GiB; 'minimal'
+  # 3.708 s at 31.22 GiB does not fit; docs/paper_scale.md).
+  c.model.remat = 'save_dot_except_qkv'
+  c.model.scan_unroll = 1
+  c.model.cast_in_loop = True
   c.batch_size = 1024
   c.seq_len = 1024
 
