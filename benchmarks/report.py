@@ -302,9 +302,11 @@ def render_rings(aot: dict, top: int = 4) -> list[str]:
       continue
     exposed = sum(r['exposed'] for r in rings.values())
     linked = sum(r['exposed'] for r in rings.values() if link(r))
+    gap = ours['step_seconds'] - need
     notes.append(
-        f"{name}: {TARGETS['ours_vs_baseline']}x needs ours at {need:.3f} s, "
-        f"{ours['step_seconds'] - need:.3f} s below its {ours['step_seconds']:.3f} s. Ours' "
+        f"{name}: ours is {base['step_seconds'] / ours['step_seconds']:.4f}x; "
+        f"{TARGETS['ours_vs_baseline']}x needs ours at {need:.4f} s, "
+        f"{gap * 1e3:.1f} ms below its {ours['step_seconds']:.4f} s. Ours' "
         f"compute is {ours['compute_seconds'] - base['compute_seconds']:+.3f} s against the "
         f"baseline's (terms above); its exposed communication is "
         f"{ours['exposed_communication_seconds']:.3f} s, {exposed:.3f} s of it waiting on its "
