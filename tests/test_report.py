@@ -62,7 +62,8 @@ def test_rings_name_what_keeps_ours_from_the_target():
   assert not [l for l in lines if l.startswith('dense_500b:')]  # 1.25x: the target is met
   results['dense_500b']['modeled']['ours']['step_seconds'] = 9.0
   [note] = [l for l in report.render_rings(results) if l.startswith('dense_500b:')]
-  assert note.startswith('dense_500b: 1.14x needs ours at 8.772 s, 0.228 s below its 9.000 s')
+  assert note.startswith('dense_500b: ours is 1.1111x; 1.14x needs ours at 8.7719 s, '
+                         '228.1 ms below its 9.0000 s')
   assert "compute is +0.600 s against the baseline's" in note
   assert 'exposed communication is 0.400 s, 0.300 s of it waiting on its rings, 0.250 s on' \
       in note
