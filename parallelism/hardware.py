@@ -144,20 +144,18 @@ def compiler_flags(profile: HardwareProfile, setting: str = 'default') -> str:
   space-separated list used instead of the defaults.
   """
   check_flags(setting)
-  first, _, rest = setting.partition(' ')
-  if first == 'default':
-    return ' '.join(profile.compiler_flags + tuple(rest.split()))
-  return '' if setting == 'none' else setting
+  words = setting.split()
+  if words[:1] == ['default']:
+    return ' '.join(profile.compiler_flags + tuple(words[1:]))
+  return '' if words == ['none'] else setting
 
 
 def check_flags(setting: str) -> None:
   """Raises ValueError naming the first word of ``hardware.xla_flags`` that is not a flag."""
   words = setting.split()
-  if words[:1] in (['default'], ['none']):
-    if words[0] == 'none' and len(words) > 1:
-      raise ValueError(f"hardware.xla_flags={setting!r}: 'none' takes no flags after it")
-    words = words[1:]
-  for word in words:
+  if words[:1] == ['none'] and words[1:]:
+    raise ValueError(f"hardware.xla_flags={setting!r}: 'none' takes no flags after it")
+  for word in words[1:] if words[:1] in (['default'], ['none']) else words:
     if not re.fullmatch(r'--\w+(=\S*)?', word):
       raise ValueError(f"hardware.xla_flags: {word!r} is not a flag of the form --name=value "
                        "(use 'default', 'default --a=1 ...', 'none' or a list of flags)")
