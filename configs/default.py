@@ -76,6 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.b1 = 0.9                # AdamW beta1
   c.optimizer.b2 = 0.95               # AdamW beta2
   c.optimizer.eps = 1e-8              # AdamW epsilon
+  c.optimizer.mu_dtype = 'param'      # AdamW's first moment: param (weights' dtype) | bfloat16
   c.optimizer.weight_decay = 0.1      # decoupled, on matrices only
   c.optimizer.grad_clip = 1.0         # global-norm clip (0 disables)
   c.optimizer.grad_accum_steps = 1    # microbatches per step

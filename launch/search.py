@@ -21,7 +21,7 @@ estimated and compiled GiB per chip, fit, modeled MFU of each variant) and the
 best layout per variant. Everything but the compiler's memory figures is modeled.
 
 Memory estimate per chip (bytes): parameters with AdamW moments and the
-gradient, ``16 N / (fsdp x tensor)``; saved activations, per layer and per
+gradient, ``16 N / (fsdp x tensor)`` (``14 N`` with a bfloat16 first moment); saved activations, per layer and per
 token of a model-parallel group, ``2 d / tensor`` under ``full`` (the block's
 input, sequence-parallel), ``2 (2 d + q + k + v) / tensor`` under
 ``save_dot_except_mlp`` (with the q/k/v projections and the output projection's
@@ -82,10 +82,11 @@ def grid(cfg, chips: int) -> list[Layout]:
   return out
 
 
-def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int) -> float:
+def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int,
+                    mu_bytes: int = 4) -> float:
   """Bytes per chip (the module docstring's formula; an estimate, not the compiler's)."""
   m, t = model_cfg, layout.tensor
-  state = 16 * params / (layout.fsdp * t)
+  state = (12 + mu_bytes) * params / (layout.fsdp * t)
   tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
   heads = m.num_heads * m.head_dim
   kv = m.num_kv_heads * m.head_dim
@@ -180,7 +181,8 @@ def candidates(cfg, chips: int, profile, progress=print,
       progress(f'  skip {layout}: {str(e).splitlines()[0]}')
       continue
     model_cfg = trial.transformer()
-    estimate = memory_estimate(model_cfg, n, layout, cfg.seq_len)
+    estimate = memory_estimate(model_cfg, n, layout, cfg.seq_len,
+                               2 if cfg.optimizer.mu_dtype == 'bfloat16' else 4)
     if estimate > profile.usable_hbm_bytes:
       progress(f'  skip {layout}: estimated {estimate / 2**30:.1f} GiB per chip > '
                f'{profile.usable_hbm_bytes / 2**30:.2f} usable')

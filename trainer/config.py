@@ -123,6 +123,9 @@ class Optimizer:
   b1: float = _key(0.9, 'AdamW beta1')
   b2: float = _key(0.95, 'AdamW beta2')
   eps: float = _key(1e-8, 'AdamW epsilon')
+  mu_dtype: str = _key('param', "AdamW's first moment: param (the master weights' dtype) | "
+                                "float32 | bfloat16 (half of float32's memory, as MaxText's "
+                                'mu_dtype; the second moment keeps the weights\' dtype)')
   weight_decay: float = _key(0.1, 'decoupled weight decay, matrices only')
   grad_clip: float = _key(1.0, 'global-norm clipping (0 disables)')
   grad_accum_steps: int = _key(1, 'microbatches averaged per update')

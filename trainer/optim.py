@@ -9,6 +9,7 @@ import optax
 from trainer.config import Optimizer
 
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'rsqrt')
+MU_DTYPES = ('param', 'float32', 'bfloat16')  # AdamW's first moment
 
 
 def learning_rate_schedule(opt_cfg: Optimizer, steps: int) -> optax.Schedule:
@@ -59,6 +60,8 @@ def make_optimizer(opt_cfg: Optimizer,
   parts = []
   if opt_cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(opt_cfg.grad_clip))
+  mu_dtype = None if opt_cfg.mu_dtype == 'param' else jnp.dtype(opt_cfg.mu_dtype)
   parts.append(optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
-                           weight_decay=opt_cfg.weight_decay, mask=decay_mask))
+                           mu_dtype=mu_dtype, weight_decay=opt_cfg.weight_decay,
+                           mask=decay_mask))
   return optax.chain(*parts), schedule

@@ -77,6 +77,9 @@ def _check_optimizer(opt) -> None:
   for key in ('end_lr_fraction', 'decay_fraction'):
     if not 0 <= getattr(opt, key) <= 1:
       raise ValueError(f'optimizer.{key}={getattr(opt, key)} is not in [0, 1]')
+  if opt.mu_dtype not in optim.MU_DTYPES:
+    raise ValueError(f'optimizer.mu_dtype={opt.mu_dtype!r} is not one of '
+                     f'{", ".join(optim.MU_DTYPES)}')
 
 
 def _check_checkpoint(ckpt) -> None:
