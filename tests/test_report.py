@@ -67,3 +67,20 @@ def test_rings_name_what_keeps_ours_from_the_target():
   assert "compute is +0.600 s against the baseline's" in note
   assert 'exposed communication is 0.400 s, 0.300 s of it waiting on its rings, 0.250 s on' \
       in note
+  assert note.endswith('ours would be 1.1628x.')  # 10 / (9 - 0.4)
+
+
+def test_a_config_without_rings_gets_the_bound_of_hiding_everything():
+  """No ring (the 10B's layout has no tensor axis): the note says so and gives ours' ratio
+  with all of its exposed communication hidden; the table of rings is left out."""
+  results = copy.deepcopy(AOT)
+  results['dense_500b']['modeled']['ours'] = dict(results['dense_500b']['modeled']['baseline'],
+                                                  rings={})
+  [note, _] = report.render_rings(results)
+  assert note.startswith('dense_500b: ours is 1.0000x; 1.14x needs ours at 8.7719 s')
+  assert 'no ring at this layout' in note and '3.000 s of exposed communication' in note
+  assert note.endswith('ours would be 1.4286x.')  # 10 / (10 - 3)
+  results['dense_500b']['modeled']['ours']['exposed_communication_seconds'] = 1.0
+  [note, _] = report.render_rings(results)
+  assert note.endswith('ours would be 1.1111x, still below 1.14x: no overlap reaches the '
+                       'target at this compute.')
