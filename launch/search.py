@@ -21,8 +21,9 @@ estimated and compiled GiB per chip, fit, modeled MFU of each variant) and the
 best layout per variant. Everything but the compiler's memory figures is modeled.
 
 Memory estimate per chip (bytes): parameters with AdamW moments and the
-gradient, ``16 N / (fsdp x tensor)`` (``14 N`` with a bfloat16 first moment); saved activations, per layer and per
-token of a model-parallel group, ``2 d / tensor`` under ``full`` (the block's
+gradient, ``16 N / (fsdp x tensor)`` (``14 N`` with a bfloat16 first moment);
+saved activations, per layer and per token of a model-parallel group,
+``2 d / tensor`` under ``full`` (the block's
 input, sequence-parallel), ``2 (2 d + q + k + v) / tensor`` under
 ``save_dot_except_mlp`` (with the q/k/v projections and the output projection's
 sequence-parallel output), ``2 (2 d + 2 mlp) / tensor`` under

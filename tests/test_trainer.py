@@ -109,7 +109,7 @@ def test_bfloat16_first_moment_halves_it_and_stays_close_to_float32():
       losses.append(float(m['loss']))
     adam = state.opt_state[1][0]
     runs[mu_dtype] = (losses, adam.mu, adam.nu, state.params)
-  (ref, mu32, _, p32), (got, mu16, nu16, p16) = runs['param'], runs['bfloat16']
+  (ref, mu32, _, _), (got, mu16, nu16, p16) = runs['param'], runs['bfloat16']
   assert {x.dtype for x in jax.tree.leaves(mu32)} == {jnp.dtype('float32')}
   assert {x.dtype for x in jax.tree.leaves(mu16)} == {jnp.dtype('bfloat16')}
   assert {x.dtype for x in jax.tree.leaves(nu16) + jax.tree.leaves(p16)} == {
