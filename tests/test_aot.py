@@ -134,6 +134,14 @@ def test_search_grid_prunes_by_checks_and_memory():
   assert all(l.tensor not in (2, 4) and l.data not in (2, 4) for l, _, _ in on_slice)
   assert any('cannot lay out' in s for s in skipped)
   assert search.assignable((4, 32, 1), (4, 4, 8)) and not search.assignable((2, 64, 1), (4, 4, 8))
+  # A bfloat16 first moment (optimizer.mu_dtype) saves 2 bytes a parameter per shard.
+  layout, estimate, _ = kept[0]
+  n = search.count_params(search.abstract_model(cfg.transformer()).params)
+  bf16 = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'),
+                         ['--config.optimizer.mu_dtype=bfloat16'])
+  [(_, smaller)] = [(l, e) for l, e, _ in search.candidates(bf16, chips, profile, skipped.append)
+                    if l == layout]
+  assert estimate - smaller == pytest.approx(2 * n / (layout.fsdp * layout.tensor))
   # The 64B's grid around 256 sequences (128 to 512) compiles to 59-63% modeled MFU at
   # fsdp=64 x tensor=8 and to 42-51% with no tensor axis (docs/paper_scale.md): the ranking
   # must put a tensor axis first, which it did not while it left the gradients'
