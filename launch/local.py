@@ -10,7 +10,8 @@ CPU devices through the environment (``RINGTRAIN_COORDINATOR``,
 see trainer/runtime.py). The default share is the config's device count (the
 product of its mesh sizes) divided by N. Output lines are prefixed with
 ``[p<id>]`` and each process's output is also kept in ``WORKDIR/logs/``. When a
-process fails, the others are stopped (SIGTERM, then SIGKILL after a grace
+process fails, the others get a moment to end by themselves (an error they all
+meet, each reports), then are stopped (SIGTERM, then SIGKILL after a grace
 period), the tail of the failing process's log is shown, and the launcher exits
 with that process's status, all within 60 seconds.
 """
@@ -30,6 +31,7 @@ import time
 from trainer import config as config_lib
 
 GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when stopping the others
+SETTLE_SECONDS = 2  # for the others to end by themselves once one has failed
 TAIL_LINES = 30
 
 
@@ -151,7 +153,10 @@ def _supervise(procs: list[Process]) -> int:
       code = first.popen.returncode
       print(f'launch.local: process {first.index} exited with status {code}; stopping the '
             'others', file=sys.stderr, flush=True)
+      _wait(procs, SETTLE_SECONDS)  # an error every process meets: each says it
       _stop(procs)
+      for p in procs:  # forward what each process printed before it ended
+        p.reader.join(timeout=5)
       print(f'--- last lines of {first.log_path} ---\n{first.tail()}', file=sys.stderr,
             flush=True)
       return code if code > 0 else 128 - code  # killed by a signal: 128 + its number
@@ -162,13 +167,18 @@ def _supervise(procs: list[Process]) -> int:
     time.sleep(0.2)
 
 
+def _wait(procs: list[Process], seconds: float) -> None:
+  """Until every process has ended, or ``seconds`` have passed."""
+  deadline = time.time() + seconds
+  while time.time() < deadline and any(p.popen.poll() is None for p in procs):
+    time.sleep(0.2)
+
+
 def _stop(procs: list[Process]) -> None:
   """SIGTERM to the running processes; SIGKILL to those still there after the grace."""
   for p in procs:
     p.signal(signal.SIGTERM)
-  deadline = time.time() + GRACE_SECONDS
-  while time.time() < deadline and any(p.popen.poll() is None for p in procs):
-    time.sleep(0.2)
+  _wait(procs, GRACE_SECONDS)
   for p in procs:
     p.signal(signal.SIGKILL)
     p.popen.wait()

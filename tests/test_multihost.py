@@ -90,6 +90,19 @@ def test_a_locked_workdir_refuses_every_process(tmp_path):
   assert 'Traceback' not in out and 'exited with status 2' in out
 
 
+def test_every_process_that_fails_by_itself_is_heard(tmp_path):
+  """Process 1 fails at once, process 0 a moment later with its own message: the launcher
+  lets it say so before stopping it, and forwards the line."""
+  late = ('import os, sys, time; i = os.environ["RINGTRAIN_PROCESS_ID"]; '
+          'time.sleep(0.6 if i == "0" else 0); print("failing", i); sys.exit(2)')
+  done = subprocess.run([sys.executable, '-m', 'launch.local', '--num_processes', '2',
+                         '--devices_per_process', '1', '--', sys.executable, '-c', late,
+                         '--workdir', str(tmp_path / 'run')], cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=60, check=False)
+  assert done.returncode == 2
+  assert '[p0] failing 0' in done.stdout and '[p1] failing 1' in done.stdout, done.stdout
+
+
 def _children(pid: int) -> list[int]:
   with open(f'/proc/{pid}/task/{pid}/children') as f:
     return [int(p) for p in f.read().split()]
