@@ -124,7 +124,7 @@ def get_config() -> ml_collections.ConfigDict:
   # prefer 'auto', where the cost model decides per layer.
   c.parallelism.collective_matmul = 'always'    # auto (cost model) | always | never
   c.parallelism.direction = 'unidirectional'    # ring direction under 'always'
-  c.parallelism.unroll = 1                      # ring steps per loop iteration: 1 | 2
+  c.parallelism.unroll = 1                      # ring steps per loop iteration
   # Partial sums on the wire and between ring steps (rings, and the compiler's collectives
   # of plain einsums): compute (the model's dtype; each device adds in fp32) | float32.
   c.parallelism.ring_dtype = 'compute'

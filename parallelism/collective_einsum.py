@@ -264,7 +264,8 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     lhs_spec, rhs_spec, out_spec: PartitionSpecs over ``mesh``.
     mode: ``none`` (plain einsum; the compiler inserts the collective),
       ``unidirectional``, ``bidirectional``, or ``auto`` (the cost model picks).
-    unroll: 1, or 2 for two ring steps per loop iteration.
+    unroll: ring steps per loop iteration; a ring of at most that many steps runs
+      with no loop (every step its own ops).
     hardware: a ``parallelism.hardware`` profile name for the cost model
       (default: ``cpu``, where decomposition never pays).
     ring_dtype: what partial sums travel and rest in (``RING_DTYPES``): the rings'
@@ -276,8 +277,8 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     The result laid out as ``out_spec``; bf16 products accumulate in fp32 on
     each device (in the MXU under ``none``).
   """
-  if unroll not in (1, 2):
-    raise ValueError(f'unroll={unroll} is not 1 or 2')
+  if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+    raise ValueError(f'unroll={unroll!r} must be an integer of at least 1')
   explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
               if t != jax.sharding.AxisType.Auto]
   if explicit:  # operands are resharded with constraints, which need Auto axes

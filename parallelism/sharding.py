@@ -130,11 +130,13 @@ class MatmulPolicy:
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
-               'direction': ('unidirectional', 'bidirectional'), 'unroll': (1, 2),
+               'direction': ('unidirectional', 'bidirectional'),
                'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
+    if isinstance(self.unroll, bool) or not isinstance(self.unroll, int) or self.unroll < 1:
+      raise ValueError(f'parallelism.unroll={self.unroll!r} must be an integer of at least 1')
 
   def choose(self, decide: Callable[[str], T], *, never: str, always: str) -> T:
     """Applies ``collective_matmul`` to one layer: ``decide(mode)`` for the mode it names.

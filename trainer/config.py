@@ -187,7 +187,8 @@ class Parallelism:
                                           'layer) | never')
   direction: str = _key('unidirectional', 'ring direction under always: unidirectional | '
                                           'bidirectional (under auto the cost model chooses)')
-  unroll: int = _key(1, 'ring steps per loop iteration: 1 | 2')
+  unroll: int = _key(1, 'ring steps per loop iteration (at least 1); a ring of at most '
+                        'that many steps runs with no loop')
   ring_dtype: str = _key('compute', 'what partial sums travel and rest in (rings, and '
                                     "the compiler's collectives of plain einsums): compute "
                                     "(the model's dtype; each device adds in fp32) | float32")
