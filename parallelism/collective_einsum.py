@@ -67,6 +67,13 @@ class Decision:
         self.backward[which]
 
 
+def unroll_problem(unroll) -> str | None:
+  """Why ``unroll`` (ring steps per loop iteration) is not valid, or None."""
+  if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+    return f'unroll={unroll!r} must be an integer of at least 1'
+  return None
+
+
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
             mode='auto', hardware=None, ring_dtype='compute',
             gradient_accumulators='any') -> Decision:
@@ -277,8 +284,8 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     The result laid out as ``out_spec``; bf16 products accumulate in fp32 on
     each device (in the MXU under ``none``).
   """
-  if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
-    raise ValueError(f'unroll={unroll!r} must be an integer of at least 1')
+  if unroll_problem(unroll):
+    raise ValueError(unroll_problem(unroll))
   explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
               if t != jax.sharding.AxisType.Auto]
   if explicit:  # operands are resharded with constraints, which need Auto axes

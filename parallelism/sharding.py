@@ -23,7 +23,7 @@ from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops
 from parallelism import moe
 from parallelism.collective_einsum import (GRADIENT_ACCUMULATORS, RING_DTYPES, explain,
-                                          run_decision)
+                                          run_decision, unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -135,8 +135,8 @@ class MatmulPolicy:
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
-    if isinstance(self.unroll, bool) or not isinstance(self.unroll, int) or self.unroll < 1:
-      raise ValueError(f'parallelism.unroll={self.unroll!r} must be an integer of at least 1')
+    if unroll_problem(self.unroll):
+      raise ValueError(f'parallelism.{unroll_problem(self.unroll)}')
 
   def choose(self, decide: Callable[[str], T], *, never: str, always: str) -> T:
     """Applies ``collective_matmul`` to one layer: ``decide(mode)`` for the mode it names.
