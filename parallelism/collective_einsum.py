@@ -657,8 +657,9 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
     out_dim = eq.out.index(x)
     out_shape = jax.eval_shape(lambda a, b: jnp.einsum(local_eq, a, b), g, o).shape
     out_shape = out_shape[:out_dim] + (m * n,) + out_shape[out_dim + 1:]
-    # Every block is written before it is read: no zero-fill (lax.empty allocates on TPU)
-    acc = jax.lax.pcast(jax.lax.empty(out_shape, dtype), r.manual, to='varying')
+    # Every block is written before it is read: no zero-fill
+    acc = jax.lax.pcast(ring.fresh_buffer(out_shape, dtype, after=g), r.manual,
+                        to='varying')
 
     def consume_pair(acc, a, src_a, b, src_b):  # one einsum for both blocks
       both = jnp.einsum(local_eq, jnp.concatenate([a, b], g_letters.index(x)), o,
@@ -693,8 +694,8 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
 
   if r.keep:  # every block that passes is also written into the whole operand
     consume, consume_pair = _keeping(consume, consume_pair, g_letters.index(x), m)
-    acc = (acc, jax.lax.pcast(jax.lax.empty(_times(g.shape, g_letters.index(x), n), g.dtype),
-                              r.manual, to='varying'))
+    acc = (acc, jax.lax.pcast(ring.fresh_buffer(_times(g.shape, g_letters.index(x), n),
+                                                g.dtype, after=g), r.manual, to='varying'))
   out = ring.all_gather_einsum(g, consume, acc, axis=plan.axis, n=n, idx=idx, split=r.split,
                                unroll=r.unroll, consume_pair=consume_pair)
   return (out[0].astype(dtype), out[1]) if r.keep else out.astype(dtype)

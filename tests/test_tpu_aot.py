@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from parallelism import hardware
+from parallelism import hardware, hlo_text
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -20,12 +20,12 @@ pytestmark = pytest.mark.skipif(
     reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
 
 
-def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '') -> str:
+def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '', layers: int = 0) -> str:
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
   env['LIBTPU_INIT_ARGS'] = ' '.join(
       filter(None, [flags, '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000']))
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'tpu_aot_probe.py'),
-                         mode, kind, chip], env=env, capture_output=True, text=True,
+                         mode, kind, chip, str(layers)], env=env, capture_output=True, text=True,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
@@ -65,3 +65,14 @@ def test_each_tpu_chip_compiles_with_its_default_flags(chip):
   flags = hardware.compiler_flags(hardware.get_profile(chip))
   hlo = _compile('unidirectional', 'ag', chip, flags)
   assert 'collective-permute-start' in hlo
+
+
+def test_an_all_gather_ring_allocates_its_output_inside_the_layer_loop():
+  # lax.empty depends on nothing: JAX hoisted it out of a differentiated layer scan, and the
+  # compiler then copied that one buffer into every iteration (ring.fresh_buffer).
+  module = hlo_text.parse(_compile('unidirectional', 'ag', layers=4))
+  where = [comp for comp, instrs in module.computations.items() for i in instrs
+           if 'AllocateBuffer' in i.attrs and 'collective_einsum' in i.op_name
+           and i.op_name.endswith(('/empty', '/ring_buffer'))]
+  assert where, 'no allocation of a ring output in the program'
+  assert module.entry not in where, f'ring output allocated outside the layer loop: {where}'

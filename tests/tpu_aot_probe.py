@@ -1,8 +1,9 @@
 """Compiles a decomposed einsum for a small TPU slice (v4:2x2x2 by default) on this CPU machine.
 
-Run by tests/test_tpu_aot.py in its own process: LIBTPU_INIT_ARGS (which turns
-XLA's own windowed einsum off) is read once per process. Prints the scheduled
-TPU HLO.
+Arguments: mode, kind ('ag' or 'rs'), chip, and a layer count (the gradient of a scan over
+that many layers of the einsum; 0: the einsum alone). Run by tests/test_tpu_aot.py in its
+own process: LIBTPU_INIT_ARGS (which turns XLA's own windowed einsum off) is read once per
+process. Prints the scheduled TPU HLO.
 """
 
 import os
@@ -23,7 +24,8 @@ from parallelism.collective_einsum import collective_einsum  # pylint: disable=w
 SLICES = {'tpu_v4': 'v4:2x2x2', 'tpu_v5p': 'v5p:2x2x2', 'tpu_v5e': 'v5e:2x4', 'tpu_v6e': 'v6e:2x4'}
 
 
-def main(mode: str, kind: str, chip: str = 'tpu_v4'):
+def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0'):
+  layers = int(layers)
   tpu = hardware.get_profile(chip).tpu
   topo = topologies.get_topology_desc(platform='tpu', topology_name=SLICES[chip],
                                       chip_config_name=tpu.chip_config_name,
@@ -36,10 +38,20 @@ def main(mode: str, kind: str, chip: str = 'tpu_v4'):
     eq, ls, rs, specs = 'td,df->tf', (8192, 4096), (4096, 16384), (P(t, None), P(None, t), P(None, t))
   else:
     eq, ls, rs, specs = 'tf,fd->td', (8192, 16384), (16384, 4096), (P(None, t), P(t, None), P(t, None))
-  f = jax.jit(lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=specs[0],
-                                             rhs_spec=specs[1], out_spec=specs[2], mode=mode))
+  einsum = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=specs[0],
+                                          rhs_spec=specs[1], out_spec=specs[2], mode=mode)
+  f = jax.jit(einsum)
+  arg_specs = specs
+  if layers:  # the gradient of a scan over stacked weights, as a train step's layers
+    rs, arg_specs = (layers,) + rs, (specs[0], P(None, *specs[1]))
+
+    def loss(x, ws):
+      def layer(h, w):
+        return h * jnp.mean(einsum(h, w)), None
+      return jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32))
+    f = jax.jit(jax.grad(loss, argnums=1))
   args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
-          for s, p in ((ls, specs[0]), (rs, specs[1]))]
+          for s, p in ((ls, arg_specs[0]), (rs, arg_specs[1]))]
   print(f.lower(*args).compile().as_text())
 
 
