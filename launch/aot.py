@@ -269,8 +269,8 @@ def run_variant(args, overrides, name: str, topology: str, chip_flags: str) -> d
         cmd += ['--hlo_dir', args.hlo_dir] + (['--flag_set', f'.{k}'] if k else [])
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       if proc.returncode or not os.path.exists(out):
-        tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['(no output)']
-        return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): {tail[0]}'}
+        return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): '
+                                          f'{error_line(proc.stderr)}'}
       with open(out, encoding='utf-8') as f:
         results.append(json.load(f) | {'flag_set': extra or 'default threshold'})
     if 'error' in results[-1]:
@@ -278,6 +278,14 @@ def run_variant(args, overrides, name: str, topology: str, chip_flags: str) -> d
   ranked = sorted(results, key=lambda r: (not r['memory']['fits'],
                                           r.get('model', {}).get('step_seconds', math.inf)))
   return ranked[0] | {'flag_sets_tried': len(results)}
+
+
+def error_line(stderr: str) -> str:
+  """The line of a failed worker's stderr that names its error: the last exception line
+  (JAX ends a traceback with a note on the frames it hid), else the last line."""
+  lines = [l.strip() for l in stderr.splitlines() if l.strip()]
+  errors = [l for l in lines if re.match(r'[\w.]+(Error|Exception)\b', l)]
+  return (errors or lines or ['(no output)'])[-1]
 
 
 # ---- the summary ------------------------------------------------------------------

@@ -64,6 +64,16 @@ def test_memory_total_is_arguments_outputs_temporaries_minus_aliased():
   assert not aot.memory(stats, 25)['fits']
 
 
+def test_a_failed_compile_reports_its_exception_not_jaxs_closing_note():
+  stderr = ('Traceback (most recent call last):\n  File "x.py", line 1\n'
+            'TypeError: aval_to_ir_type() missing 1 required positional argument\n'
+            '--------------------\nFor simplicity, JAX has removed its internal frames from '
+            'the traceback of the following exception.\n')
+  assert aot.error_line(stderr).startswith('TypeError: aval_to_ir_type()')
+  assert aot.error_line('killed\n') == 'killed'
+  assert aot.error_line('') == '(no output)'
+
+
 @needs_libtpu
 def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
   """baseline and ours, each in its own process, through the command users run; with the
