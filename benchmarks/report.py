@@ -334,11 +334,14 @@ def _short_of_target(name: str, ours: dict, base: dict, rings: dict, link) -> st
         'compiler\'s collectives). ' + tail)
   on_rings = sum(r['exposed'] for r in rings.values())
   linked = sum(r['exposed'] for r in rings.values() if link(r))
+  off = list((ours.get('exposed_off_rings') or {}).items())[:3]
+  off = ('; off the rings, most on ' + ', '.join(f'{k} ({s:.3f} s)' for k, s in off)
+         if off else '')
   return head + (
       f"Ours' compute is {ours['compute_seconds'] - base['compute_seconds']:+.3f} s against the "
       f"baseline's (terms above); its exposed communication is {exposed:.3f} s, "
       f"{on_rings:.3f} s of it waiting on its rings, {linked:.3f} s on rings whose transfers "
-      'outlast the compute between them (link-bound: no schedule hides them). ' + tail)
+      f'outlast the compute between them (link-bound: no schedule hides them){off}. ' + tail)
 
 
 def render_mfu_target(aot: dict) -> list[str]:

@@ -326,6 +326,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'program_flops_per_chip': model['flops'],
           'mfu': info['model_flops_per_step'] / (chips * peak * step) if step else None,
           'collectives': model['collectives'], 'rings': ring_terms(pairs),
+          'exposed_off_rings': exposed_off_rings(model['exposed_by']),
           'warnings': model['warnings']}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
@@ -356,6 +357,23 @@ def ring_terms(pairs: list[dict]) -> dict:
     row['compute_between'] += times * p['compute_between_us']
     row['exposed'] += times * p['exposed_us']
   return dict(sorted(out.items(), key=lambda kv: -kv[1]['exposed']))
+
+
+def exposed_off_rings(exposed_by: dict, top: int = 8) -> dict:
+  """The exposed communication besides the rings' collective-permutes (``rings``), in
+  modeled seconds per step, by collective and where it comes from (the layer and pass, the
+  op otherwise, or the compiler's own where it has no op_name): the ``top`` most."""
+  out = {}
+  for key, seconds in exposed_by.items():
+    kind, op_name = key.split(' @ ', 1)
+    if kind.startswith('collective-permute') and 'collective_einsum' in op_name:
+      continue
+    where = _layer(op_name)
+    if where == '-':
+      where = (op_name.rsplit('/', 1)[-1] + (' (bwd)' if 'transpose(' in op_name else '')
+               if op_name else "the compiler's (no op_name)")
+    out[f'{kind}: {where}'] = out.get(f'{kind}: {where}', 0.0) + seconds
+  return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _layer(op_name: str) -> str:
@@ -422,6 +440,10 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
     lines += [f"  {name:{w}s} " + ', '.join(f'{term} {sec:.3f}' for term, sec in
                                          m.get('compute_terms', {}).items() if sec)
               for name, m in s['modeled'].items()]
+    lines += ['', 'modeled exposed communication off the rings (s; the collectives the chip '
+                  'waited for, besides the rings\' collective-permutes, by where they come from):']
+    lines += [f"  {name:{w}s} " + ('; '.join(f'{k} {sec:.3f}' for k, sec in list(
+        m.get('exposed_off_rings', {}).items())[:4]) or '-') for name, m in s['modeled'].items()]
     lines.append(f'  step model calibration: {step_model.calibration_summary()} '
                  '(docs/calibration.md)')
   p = s['paper']

@@ -479,6 +479,7 @@ class Timeline:
   hbm_bytes: float = 0.0
   by_kind: dict = dataclasses.field(default_factory=dict)  # collective -> [count, seconds]
   by_term: dict = dataclasses.field(default_factory=dict)  # compute term -> seconds
+  exposed_by: dict = dataclasses.field(default_factory=dict)  # exposed_key() -> seconds
 
   def add(self, other: 'Timeline', times: float) -> None:
     for f in ('seconds', 'compute', 'comm', 'exposed_comm', 'exposed_dma', 'flops', 'hbm_bytes'):
@@ -489,6 +490,11 @@ class Timeline:
       mine[1] += times * s
     for k, s in other.by_term.items():
       self.by_term[k] = self.by_term.get(k, 0.0) + times * s
+    for k, s in other.exposed_by.items():
+      self.expose(k, times * s)
+
+  def expose(self, key: str, seconds: float) -> None:
+    self.exposed_by[key] = self.exposed_by.get(key, 0.0) + seconds
 
   def count(self, kind: str, seconds: float) -> None:
     mine = self.by_kind.setdefault(kind, [0, 0.0])
@@ -509,6 +515,7 @@ class Result:
   collectives: dict           # kind -> {'count', 'seconds'} per step
   compute_terms: dict         # compute_term() -> seconds per step; they sum to compute
   pairs: list[dict]           # asynchronous collectives: start, done, what runs between
+  exposed_by: dict            # exposed_key() -> seconds per step; they sum to exposed_comm
   warnings: list[str]
 
   def as_dict(self) -> dict:
@@ -551,6 +558,8 @@ class _Model:
           s, kind = self._collective_seconds(ins, coll, shapes)
           begin = self._take_links(coll, tl.seconds, s, busy)
           tl.exposed_comm += begin - tl.seconds + s
+          tl.expose(exposed_key(kind.split(' ')[0], False, coll.op_name or ins.op_name),
+                    begin - tl.seconds + s)
           tl.seconds = begin + s
           tl.comm += s
           tl.count(kind, s)
@@ -661,6 +670,8 @@ class _Model:
     tl.seconds += wait
     if p['collective']:
       tl.exposed_comm += wait
+      if wait:
+        tl.expose(exposed_key(p['kind'], True, p['op_name']), wait)
     else:
       tl.exposed_dma += wait
     if p['collective']:
@@ -723,6 +734,13 @@ class _Model:
 
     return {c: count(c) for c in self.m.computations}
 
+
+
+def exposed_key(kind: str, asynchronous: bool, op_name: str) -> str:
+  """The ``exposed_by`` key of a collective the chip waited for: its kind, whether it was
+  asynchronous (waited for at its done) or blocked the chip, and its op_name (empty for a
+  collective the compiler made without one, such as its reductions of partial sums)."""
+  return f"{kind} ({'async' if asynchronous else 'sync'}) @ {op_name}"
 
 
 COMPUTE_TERMS = ('matmul at MXU rate', 'matmul HBM-bound excess', 'non-matmul')
@@ -803,4 +821,5 @@ def analyze(text: str, chip: Chip, coords=None) -> Result:
   return Result(tl.seconds, tl.compute, tl.comm, tl.exposed_comm, tl.exposed_dma, tl.flops,
                 tl.hbm_bytes, {k: {'count': n, 'seconds': s} for k, (n, s) in
                                sorted(tl.by_kind.items())},
-                dict(sorted(tl.by_term.items())), model.pairs, model.warnings)
+                dict(sorted(tl.by_term.items())), model.pairs,
+                dict(sorted(tl.exposed_by.items(), key=lambda kv: -kv[1])), model.warnings)

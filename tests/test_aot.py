@@ -74,6 +74,20 @@ def test_a_failed_compile_reports_its_exception_not_jaxs_closing_note():
   assert aot.error_line('') == '(no output)'
 
 
+def test_exposed_off_rings_groups_by_collective_and_layer():
+  loop = 'jit(train_step)/transpose(jvp())/while/body/closed_call/checkpoint'
+  exposed_by = {
+      f'collective-permute (async) @ {loop}/blocks.*.mlp.up/collective_einsum/x/ppermute': 5.0,
+      'all-reduce (sync) @ ': 0.3,
+      f'all-reduce (sync) @ {loop}/reduce_sum': 0.1,
+      f'all-gather (sync) @ {loop}/blocks.*.mlp.down/transpose': 0.2,
+      f'all-gather (sync) @ {loop}/blocks.*.mlp.down/dot_general': 0.05}
+  assert aot.exposed_off_rings(exposed_by) == {
+      "all-reduce (sync): the compiler's (no op_name)": 0.3,
+      'all-gather (sync): blocks.*.mlp.down (bwd)': pytest.approx(0.25),
+      'all-reduce (sync): reduce_sum (bwd)': 0.1}
+
+
 @needs_libtpu
 def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
   """baseline and ours, each in its own process, through the command users run; with the

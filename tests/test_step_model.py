@@ -75,6 +75,17 @@ def test_hand_built_schedule():
   assert pair['exposed_us'] == pytest.approx((permute - matmul) * 1e6)
 
 
+def test_exposed_by_names_what_the_chip_waited_for():
+  r = step_model.analyze(HAND_BUILT, CHIP)
+  matmul = 2 * 64 * 256 * 128 / 1e12
+  permute = 64 * 128 * 2 / 1e9
+  all_gather = 256 * 128 * 2 * 3 / 4 / (2 * 1e9)
+  assert r.exposed_by == {
+      'collective-permute (async) @ collective_einsum/ring': pytest.approx(3 * (permute - matmul)),
+      'all-gather (sync) @ ': pytest.approx(all_gather)}
+  assert sum(r.exposed_by.values()) == pytest.approx(r.exposed_comm_seconds)
+
+
 def test_compute_terms_split_the_compute():
   r = step_model.analyze(HAND_BUILT, CHIP)
   matmul = 2 * 64 * 256 * 128 / 1e12
