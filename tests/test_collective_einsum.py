@@ -592,3 +592,18 @@ def test_data_gradient_ring_hands_the_weight_gradient_its_gathered_cotangent(rhs
   # The forward's own transposes keep nothing: its data gradient reduce-scatters.
   assert not keeps_cotangent(Equation.parse('btd,df->btf'), T,
                              (P(B, T, None), P(F, T), P(B, None, T)), mesh)
+
+
+def test_ring_output_buffer_is_an_allocation_that_depends_on_its_operand():
+  from parallelism import ring  # pylint: disable=import-outside-toplevel
+  f = jax.jit(lambda x: ring.fresh_buffer((2, 3), jnp.float32, after=x) + 1)
+  x = jnp.ones(4)
+  np.testing.assert_array_equal(f(x), np.ones((2, 3)))  # zeros on CPU
+  lowered = {p: f.trace(x).lower(lowering_platforms=(p,)).as_text() for p in ('tpu', 'cuda')}
+  assert 'AllocateBuffer' in lowered['tpu'] and 'has_side_effect = true' in lowered['tpu']
+  assert 'AllocateBuffer' in lowered['cuda'] and 'has_side_effect' not in lowered['cuda']
+  # It depends on its operand, so a scan does not hoist it as a loop invariant.
+  jaxpr = jax.make_jaxpr(lambda xs: jax.lax.scan(
+      lambda c, x: (c, ring.fresh_buffer((2,), jnp.float32, after=x)), 0.0, xs))(jnp.ones((3, 2)))
+  body = jaxpr.eqns[-1].params['jaxpr'].jaxpr
+  assert any(e.primitive.name == 'ring_buffer' for e in body.eqns)
