@@ -365,14 +365,15 @@ def exposed_off_rings(exposed_by: dict, top: int = 8) -> dict:
   op otherwise, or the compiler's own where it has no op_name): the ``top`` most."""
   out = {}
   for key, seconds in exposed_by.items():
-    kind, op_name = key.split(' @ ', 1)
+    kind, op_name = step_model.split_exposed_key(key)
     if kind.startswith('collective-permute') and 'collective_einsum' in op_name:
       continue
     where = _layer(op_name)
     if where == '-':
       where = (op_name.rsplit('/', 1)[-1] + (' (bwd)' if 'transpose(' in op_name else '')
                if op_name else "the compiler's (no op_name)")
-    out[f'{kind}: {where}'] = out.get(f'{kind}: {where}', 0.0) + seconds
+    label = f'{kind}: {where}'
+    out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
 

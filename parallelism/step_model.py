@@ -743,6 +743,12 @@ def exposed_key(kind: str, asynchronous: bool, op_name: str) -> str:
   return f"{kind} ({'async' if asynchronous else 'sync'}) @ {op_name}"
 
 
+def split_exposed_key(key: str) -> tuple[str, str]:
+  """(kind with '(sync)' or '(async)', op_name) of an ``exposed_by`` key."""
+  kind, op_name = key.split(' @ ', 1)
+  return kind, op_name
+
+
 COMPUTE_TERMS = ('matmul at MXU rate', 'matmul HBM-bound excess', 'non-matmul')
 MXU, HBM_EXCESS, NON_MATMUL = COMPUTE_TERMS
 
