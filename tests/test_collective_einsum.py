@@ -5,6 +5,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -607,3 +608,33 @@ def test_ring_output_buffer_is_an_allocation_that_depends_on_its_operand():
       lambda c, x: (c, ring.fresh_buffer((2,), jnp.float32, after=x)), 0.0, xs))(jnp.ones((3, 2)))
   body = jaxpr.eqns[-1].params['jaxpr'].jaxpr
   assert any(e.primitive.name == 'ring_buffer' for e in body.eqns)
+
+
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs nested in it."""
+  for e in jaxpr.eqns:
+    yield e
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      yield from _eqns(sub)
+
+
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+def test_reduce_scatter_contributions_wait_for_the_accumulator_sent_beside_them(mode):
+  # Each step's einsum takes an operand held back (an optimization barrier) until the
+  # accumulator that step sends exists, so the compiler computes it while that
+  # accumulator travels, not all of them before the first transfer.
+  eq, ls, rs, os_, _ = PATTERNS[3]
+  mesh = _mesh(8, 1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
+  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                     out_spec=os_, mode=mode)
+  eqns = list(_eqns(jax.make_jaxpr(f)(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).jaxpr))
+  sent = [v for e in eqns if e.primitive.name == 'ppermute' for v in e.invars]
+  held = {}  # barrier output -> its inputs
+  for e in eqns:
+    if e.primitive.name == 'optimization_barrier':
+      held.update({o: e.invars for o in e.outvars})
+  waits = [set(held[v]) for e in eqns if e.primitive.name == 'dot_general'
+           for v in e.invars if v in held]
+  assert sent and waits  # (the ring's loop is one scan in the jaxpr)
+  assert all(any(s in w for w in waits) for s in sent)  # every accumulator has its einsum
