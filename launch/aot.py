@@ -327,6 +327,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'mfu': info['model_flops_per_step'] / (chips * peak * step) if step else None,
           'collectives': model['collectives'], 'rings': ring_terms(pairs),
           'exposed_off_rings': exposed_off_rings(model['exposed_by']),
+          'costliest_non_matmul': costliest_non_matmul(model['non_matmul_by_op']),
           'warnings': model['warnings']}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
@@ -373,6 +374,25 @@ def exposed_off_rings(exposed_by: dict, top: int = 8) -> dict:
       where = (op_name.rsplit('/', 1)[-1] + (' (bwd)' if 'transpose(' in op_name else '')
                if op_name else "the compiler's (no op_name)")
     label = f'{kind}: {where}'
+    out[label] = out.get(label, 0.0) + seconds
+  return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
+
+
+def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
+  """The step's work outside matmuls (additions, copies, slices, elementwise passes), in
+  modeled seconds per step, by where it comes from: the dense layer and pass (a decomposed
+  einsum's own instructions marked ``ring``) and the operation (the op_name's last part,
+  with the ``jit(...)`` it sits in); the ``top`` most."""
+  out = {}
+  for op_name, seconds in by_op.items():
+    parts = op_name.split('/')
+    what = '/'.join(parts[-2:]) if len(parts) > 1 and parts[-2].startswith('jit(') else parts[-1]
+    where = _layer(op_name)
+    if where == '-':
+      label = (what or "the compiler's (no op_name)") + (' (bwd)' if 'transpose(' in op_name
+                                                           else '')
+    else:
+      label = f"{where}{' ring' if 'collective_einsum' in op_name else ''}: {what}"
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
@@ -441,6 +461,10 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
     lines += [f"  {name:{w}s} " + ', '.join(f'{term} {sec:.3f}' for term, sec in
                                          m.get('compute_terms', {}).items() if sec)
               for name, m in s['modeled'].items()]
+    lines += ['', 'costliest non-matmul work (s; by layer and operation, ring: a decomposed '
+                  "einsum's own):"]
+    lines += [f"  {name:{w}s} " + ('; '.join(f'{k} {sec:.3f}' for k, sec in list(
+        m.get('costliest_non_matmul', {}).items())[:4]) or '-') for name, m in s['modeled'].items()]
     lines += ['', 'modeled exposed communication off the rings (s; the collectives the chip '
                   'waited for, besides the rings\' collective-permutes, by where they come from):']
     lines += [f"  {name:{w}s} " + ('; '.join(f'{k} {sec:.3f}' for k, sec in list(

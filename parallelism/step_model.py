@@ -479,6 +479,7 @@ class Timeline:
   hbm_bytes: float = 0.0
   by_kind: dict = dataclasses.field(default_factory=dict)  # collective -> [count, seconds]
   by_term: dict = dataclasses.field(default_factory=dict)  # compute term -> seconds
+  by_op: dict = dataclasses.field(default_factory=dict)  # op_name -> non-matmul seconds
   exposed_by: dict = dataclasses.field(default_factory=dict)  # exposed_key() -> seconds
 
   def add(self, other: 'Timeline', times: float) -> None:
@@ -490,6 +491,8 @@ class Timeline:
       mine[1] += times * s
     for k, s in other.by_term.items():
       self.by_term[k] = self.by_term.get(k, 0.0) + times * s
+    for k, s in other.by_op.items():
+      self.by_op[k] = self.by_op.get(k, 0.0) + times * s
     for k, s in other.exposed_by.items():
       self.expose(k, times * s)
 
@@ -514,6 +517,7 @@ class Result:
   hbm_bytes: float
   collectives: dict           # kind -> {'count', 'seconds'} per step
   compute_terms: dict         # compute_term() -> seconds per step; they sum to compute
+  non_matmul_by_op: dict      # op_name -> seconds per step of instructions with no matmul
   pairs: list[dict]           # asynchronous collectives: start, done, what runs between
   exposed_by: dict            # exposed_key() -> seconds per step; they sum to exposed_comm
   warnings: list[str]
@@ -610,6 +614,8 @@ class _Model:
     tl.hbm_bytes += b
     for term, seconds in compute_terms(ins.op_name, f / self.chip.matmul_rate, c):
       tl.by_term[term] = tl.by_term.get(term, 0.0) + seconds
+    if not f:
+      tl.by_op[ins.op_name] = tl.by_op.get(ins.op_name, 0.0) + c
     return c, f
 
   def _collective_seconds(self, ins: Instr, coll: Instr, shapes,
@@ -827,5 +833,6 @@ def analyze(text: str, chip: Chip, coords=None) -> Result:
   return Result(tl.seconds, tl.compute, tl.comm, tl.exposed_comm, tl.exposed_dma, tl.flops,
                 tl.hbm_bytes, {k: {'count': n, 'seconds': s} for k, (n, s) in
                                sorted(tl.by_kind.items())},
-                dict(sorted(tl.by_term.items())), model.pairs,
+                dict(sorted(tl.by_term.items())),
+                dict(sorted(tl.by_op.items(), key=lambda kv: -kv[1])), model.pairs,
                 dict(sorted(tl.exposed_by.items(), key=lambda kv: -kv[1])), model.warnings)

@@ -88,6 +88,23 @@ def test_exposed_off_rings_groups_by_collective_and_layer():
       'all-reduce (sync): reduce_sum (bwd)': 0.1}
 
 
+def test_costliest_non_matmul_groups_by_layer_and_operation():
+  fwd, bwd = 'jit(train_step)/jvp()/while/body/closed_call', \
+      'jit(train_step)/transpose(jvp())/while/body/closed_call/checkpoint'
+  by_op = {f'{fwd}/blocks.*.mlp.gate_up/collective_einsum/x/shard_map/dynamic_update_slice': 0.3,
+           f'{bwd}/blocks.*.mlp.gate_up/collective_einsum/y/shard_map/dynamic_update_slice': 0.1,
+           f'{fwd}/reduce_precision': 0.2,
+           f'{fwd}/jit(dynamic_update_index_in_dim)/dynamic_update_slice': 0.25,
+           f'{bwd}/mul': 0.05, '': 0.01, f'{fwd}/blocks.*.mlp.down/dot_general': 0.02}
+  assert aot.costliest_non_matmul(by_op, top=6) == {
+      'blocks.*.mlp.gate_up ring: dynamic_update_slice': 0.3,
+      'jit(dynamic_update_index_in_dim)/dynamic_update_slice': 0.25,
+      'reduce_precision': 0.2,
+      'blocks.*.mlp.gate_up (bwd) ring: dynamic_update_slice': 0.1,
+      'mul (bwd)': 0.05,
+      'blocks.*.mlp.down: dot_general': 0.02}
+
+
 @needs_libtpu
 def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
   """baseline and ours, each in its own process, through the command users run; with the

@@ -102,6 +102,13 @@ def test_compute_terms_split_the_compute():
   assert sum(r.compute_terms.values()) == pytest.approx(r.compute_seconds)
 
 
+def test_non_matmul_work_by_op_name():
+  r = step_model.analyze(HAND_BUILT, CHIP)
+  add, compare = (4 + 4 + 4) / 1e11, (4 + 4 + 1) / 1e11  # the loop counter and condition
+  assert r.non_matmul_by_op == {'': pytest.approx(3 * add + 4 * compare)}
+  assert sum(r.non_matmul_by_op.values()) == pytest.approx(r.compute_terms['plain: non-matmul'])
+
+
 def test_compute_hides_the_transfer_when_it_is_longer():
   slow = step_model.Chip('slow', peak_flops=1e11, hbm_bandwidth=1e11, link_bandwidth=1e9,
                          ring_links=1, step_latency=0.0)
