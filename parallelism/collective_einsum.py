@@ -639,7 +639,7 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
                              for k in ks], axis=dim)
     # The wait is on the operand that is not sliced (a weight, already whole): on the
     # sliced one, whatever produces it would be written out whole first (64B: the
-    # SwiGLU's gradient, joined from gate's and up's, a pass of 28.5 ms a step; modeled).
+    # SwiGLU's gradient, joined from gate's and up's, a pass of its own).
     other = rhs if on_lhs else lhs
     if after is not None:
       other = ring.waiting_for(other, after)
