@@ -41,7 +41,7 @@ _MLP = ('mlp_gate_up', 'mlp_gate', 'mlp_up', 'mlp_down', 'moe_router')
 # same tensors in a plain program): in a decomposed ring that policy keeps each ring
 # step's dot instead, a stack of blocks (for a reduce-scatter ring, one output-sized
 # partial sum per step) that the backward pass re-slices; by name, the ring's whole
-# output is kept once.
+# output is kept once (the joined gate/up one as its gate and up parts: ``ops.saved``).
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -296,8 +296,8 @@ class Mlp(nnx.Module):
     if self.cfg.fused_projections:  # one einsum over both weights
       both = ops.einsum('btd,sdf->btsf', x_btd, jnp.stack([gate, up]), x_axes=RESIDUAL,
                         w_axes=(None, 'embed', 'mlp'), out_axes=('batch', 'length', None, 'mlp'),
-                        name=f'{self.path}.gate_up')
-      both = checkpoint_name(both, 'mlp_gate_up')
+                        name=f'{self.path}.gate_up', save_as='mlp_gate_up',
+                        save_parts=(2, ('mlp_gate', 'mlp_up')))
       gated, upped = both[:, :, 0], both[:, :, 1]
     else:
       proj = lambda w, name: ops.einsum('btd,df->btf', x_btd, w, x_axes=RESIDUAL,

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.moe import AT_EXPERTS, DISPATCHED
-from models.ops import Axes, Ops
+from models.ops import Axes, Ops, saved
 from parallelism import moe
 from parallelism.collective_einsum import (GRADIENT_ACCUMULATORS, RING_DTYPES, explain,
                                           run_decision, unroll_problem)
@@ -194,7 +194,8 @@ class ShardedOps(Ops):
     sharding = NamedSharding(self.mesh, self.spec(axes))
     return jax.lax.with_sharding_constraint(x, sharding)
 
-  def einsum(self, equation, x, w, *, x_axes, w_axes, out_axes, name):
+  def einsum(self, equation, x, w, *, x_axes, w_axes, out_axes, name, save_as=None,
+             save_parts=None):
     specs = tuple(self.spec(a) for a in (x_axes, w_axes, out_axes))
     decision = self._decision(name, specs, lambda: self.policy.choose(
         lambda mode: explain(
@@ -204,9 +205,10 @@ class ShardedOps(Ops):
             gradient_accumulators=self.policy.gradient_accumulators),
         never='none', always=self.policy.direction))
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
-      return run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
-                          rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
-                          ring_dtype=self.policy.ring_dtype)
+      out = run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
+                         rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
+                         ring_dtype=self.policy.ring_dtype)
+    return saved(out, save_as, save_parts if decision.mode != 'none' else None)
 
   def local(self, fn, *args, in_axes, out_axes):
     """``fn`` in a ``shard_map`` over the whole mesh, on the blocks the specs give."""

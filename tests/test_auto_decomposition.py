@@ -4,6 +4,7 @@ import argparse
 import copy
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +126,30 @@ def test_minimal_remat_keeps_the_same_tensors_decomposed_or_not(tmp_path, capsys
     jax.ad_checkpoint.print_saved_residuals(blocks, s.state.params, x_btd)
     saved[policy] = sorted(capsys.readouterr().out.splitlines())
   assert len(saved['never']) > 2 and saved['always'] == saved['never'], saved
+
+
+def test_a_decomposed_joint_projection_is_kept_by_the_parts_it_is_read_as(tmp_path, capsys):
+  """The fused gate/up output: kept whole from a plain einsum (its rounding for remat fuses
+  into the einsum), as gate and up from a ring (their roundings fuse into the SwiGLU
+  instead of a pass over the ring's buffer); the same bytes either way."""
+  saved = {}
+  for policy in ('never', 'always'):
+    run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}',
+               '--config.model.remat=minimal', '--config.model.fused_projections=true')
+    s = loop.setup(run)
+    batch = s.get_batch(0)
+
+    def blocks(params, x_btd, s=s, batch=batch):
+      model = nnx.merge(s.graphdef, params)
+      return model._run_blocks(x_btd, batch['positions'], batch['segments'])[0].sum()
+    x_btd = jnp.zeros((*batch['inputs'].shape, run.cfg.model.d_model))
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(blocks, s.state.params, x_btd)
+    saved[policy] = capsys.readouterr().out.splitlines()
+  mlp = lambda lines: sorted(re.search(r"named '(mlp_\w+)'", l).group(1) for l in lines
+                             if "named 'mlp_" in l)
+  assert mlp(saved['never']) == ['mlp_gate_up'] * 2, saved['never']  # two layers
+  assert mlp(saved['always']) == ['mlp_gate'] * 2 + ['mlp_up'] * 2, saved['always']
+  size = lambda lines: sum(np.prod([int(d) for d in re.search(r'\[([\d,]*)\]', l).group(1)
+                                    .split(',') if d]) for l in lines)
+  assert size(saved['never']) == size(saved['always'])
