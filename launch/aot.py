@@ -386,7 +386,7 @@ def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
   out = {}
   for op_name, seconds in by_op.items():
     parts = op_name.split('/')
-    what = '/'.join(parts[-2:]) if len(parts) > 1 and parts[-2].startswith('jit(') else parts[-1]
+    what = '/'.join(parts[-2:]) if len(parts) > 2 and parts[-2].startswith('jit(') else parts[-1]
     where = _layer(op_name)
     if where == '-':
       label = (what or "the compiler's (no op_name)") + (' (bwd)' if 'transpose(' in op_name
