@@ -108,13 +108,13 @@ def test_the_plan_is_made_before_tracing_and_tracing_changes_nothing(setups):
     ops.plan['unembed'] = None
 
 
-def test_minimal_remat_keeps_the_same_tensors_decomposed_or_not(tmp_path, capsys):
-  """'minimal' keeps each projection's output by name: a ring's whole output, as a
-  plain einsum's, not each ring step's block (jax's dots policy keeps those)."""
+def _saved_residuals(workdir, capsys, *overrides) -> dict[str, list[str]]:
+  """What remat 'minimal' keeps of the blocks' forward pass (jax's print_saved_residuals,
+  one line each), under collective_matmul=never and =always."""
   saved = {}
   for policy in ('never', 'always'):
-    run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}',
-               '--config.model.remat=minimal', '--config.model.scan_layers=true')
+    run = _run(workdir / policy, f'--config.parallelism.collective_matmul={policy}',
+               '--config.model.remat=minimal', *overrides)
     s = loop.setup(run)
     batch = s.get_batch(0)
 
@@ -125,6 +125,13 @@ def test_minimal_remat_keeps_the_same_tensors_decomposed_or_not(tmp_path, capsys
     capsys.readouterr()
     jax.ad_checkpoint.print_saved_residuals(blocks, s.state.params, x_btd)
     saved[policy] = sorted(capsys.readouterr().out.splitlines())
+  return saved
+
+
+def test_minimal_remat_keeps_the_same_tensors_decomposed_or_not(tmp_path, capsys):
+  """'minimal' keeps each projection's output by name: a ring's whole output, as a
+  plain einsum's, not each ring step's block (jax's dots policy keeps those)."""
+  saved = _saved_residuals(tmp_path, capsys, '--config.model.scan_layers=true')
   assert len(saved['never']) > 2 and saved['always'] == saved['never'], saved
 
 
@@ -132,20 +139,7 @@ def test_a_decomposed_joint_projection_is_kept_by_the_parts_it_is_read_as(tmp_pa
   """The fused gate/up output: kept whole from a plain einsum (its rounding for remat fuses
   into the einsum), as gate and up from a ring (their roundings fuse into the SwiGLU
   instead of a pass over the ring's buffer); the same bytes either way."""
-  saved = {}
-  for policy in ('never', 'always'):
-    run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}',
-               '--config.model.remat=minimal', '--config.model.fused_projections=true')
-    s = loop.setup(run)
-    batch = s.get_batch(0)
-
-    def blocks(params, x_btd, s=s, batch=batch):
-      model = nnx.merge(s.graphdef, params)
-      return model._run_blocks(x_btd, batch['positions'], batch['segments'])[0].sum()
-    x_btd = jnp.zeros((*batch['inputs'].shape, run.cfg.model.d_model))
-    capsys.readouterr()
-    jax.ad_checkpoint.print_saved_residuals(blocks, s.state.params, x_btd)
-    saved[policy] = capsys.readouterr().out.splitlines()
+  saved = _saved_residuals(tmp_path, capsys, '--config.model.fused_projections=true')
   mlp = lambda lines: sorted(re.search(r"named '(mlp_\w+)'", l).group(1) for l in lines
                              if "named 'mlp_" in l)
   assert mlp(saved['never']) == ['mlp_gate_up'] * 2, saved['never']  # two layers
