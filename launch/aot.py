@@ -369,11 +369,7 @@ def exposed_off_rings(exposed_by: dict, top: int = 8) -> dict:
     kind, op_name = step_model.split_exposed_key(key)
     if kind.startswith('collective-permute') and 'collective_einsum' in op_name:
       continue
-    where = _layer(op_name)
-    if where == '-':
-      where = (op_name.rsplit('/', 1)[-1] + (' (bwd)' if 'transpose(' in op_name else '')
-               if op_name else "the compiler's (no op_name)")
-    label = f'{kind}: {where}'
+    label = f"{kind}: {_origin(op_name, op_name.rsplit('/', 1)[-1])}"
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
@@ -388,13 +384,20 @@ def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
     parts = op_name.split('/')
     what = '/'.join(parts[-2:]) if len(parts) > 2 and parts[-2].startswith('jit(') else parts[-1]
     where = _layer(op_name)
-    if where == '-':
-      label = (what or "the compiler's (no op_name)") + (' (bwd)' if 'transpose(' in op_name
-                                                           else '')
-    else:
-      label = f"{where}{' ring' if 'collective_einsum' in op_name else ''}: {what}"
+    label = _origin(op_name, what) if where == '-' else \
+        f"{where}{' ring' if 'collective_einsum' in op_name else ''}: {what}"
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
+
+
+def _origin(op_name: str, what: str) -> str:
+  """Where an instruction comes from: its dense layer (and pass), else ``what`` it does
+  (and the pass), else the compiler's own (no op_name)."""
+  where = _layer(op_name)
+  if where != '-':
+    return where
+  return what + (' (bwd)' if 'transpose(' in op_name else '') if op_name else \
+      "the compiler's (no op_name)"
 
 
 def _layer(op_name: str) -> str:
