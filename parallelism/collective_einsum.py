@@ -37,6 +37,8 @@ RING_DTYPES = ('compute', 'float32')
 # all-gather ring over the forward's axis whose accumulator is the local gradient whole
 # over fsdp; the gradient rings over fsdp or is one einsum, for models tight on memory).
 GRADIENT_ACCUMULATORS = ('any', 'sharded')
+# The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
+WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
 SCOPE = 'collective_einsum'
 
@@ -55,9 +57,10 @@ class Decision:
   # einsum decomposed over the same axis) or 'none' (one einsum over an operand the
   # compiler gathers once: auto's choice where the ring's steps would be HBM-bound).
   backward: tuple[str, str] = ('ring', 'ring')
-  # (axis, mode) of a gradient's ring where it runs over another axis than the forward's:
-  # a weight gradient over ``fsdp``, where the compiler's reduce-scatter of its partial
-  # sums would block the chip (``_backward_forms``).
+  # (axis, mode) of a gradient's ring where it runs over another axis than the forward's
+  # (a weight gradient over ``fsdp``, where the compiler's reduce-scatter of its partial
+  # sums would block the chip) or in another mode (a weight gradient's ring bidirectional
+  # beside a unidirectional forward): ``_backward_forms``.
   backward_over: tuple[tuple[str, str] | None, tuple[str, str] | None] = (None, None)
 
   def gradient(self, which: int) -> str:
@@ -119,13 +122,17 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
       rings = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
                               hardware, wire_fp32, gradient_accumulators == 'sharded')
       backward = tuple('none' if r is None else 'ring' for r in rings)
-      backward_over = tuple(None if r is None or r[0] == chosen.axis else r for r in rings)
+      backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
+                            for r in rings)
       for which, r in zip(('lhs', 'rhs'), rings):
         if r is None:
           reason += f'; gradient of {which} as one einsum (its ring would be slower)'
         elif r[0] != chosen.axis:
           reason += (f'; gradient of {which} {r[1]} over {r[0]} (the compiler\'s '
                      f'reduce-scatter over {r[0]} would block)')
+        elif r[1] != choice:
+          reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
+                     'rings, on both link directions)')
   else:
     choice, reason = mode, f'mode="{mode}"'
   return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,
@@ -148,6 +155,14 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
   ``mlp.gate_up``: x's gather over tensor queued the data gradient's ring behind it; counted,
   its weight gradient rings over tensor: 64B 4.700 -> 4.649 s a step, 500B 8.027 -> 7.859 s,
   modeled). The least wins; ties go to the forward's ring.
+
+  The weight's gradient (of ``rhs``, the weight in ``Ops.einsum``) rings over the forward's
+  axis bidirectionally whatever the forward's mode (``WEIGHT_GRADIENT_MODE``): it is off
+  the critical path, and the scheduler runs it beside the next layer's data-gradient
+  rings, which use both directions of the same links; unidirectional, all its transfers
+  queue on one of them (dense_64b's ``mlp.gate_up`` weight gradient beside ``attn.o``'s
+  data gradient: 0.125 s a step exposed; bidirectional, 0.047 s, the step 4.437 -> 4.342
+  s, modeled).
 
   The cotangent's gather over the forward's axis is counted even where the data
   gradient's ring hands it on whole (``keeps_cotangent``), which the forms other than the
@@ -173,6 +188,7 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
     if plan is None or plan.kind not in DECOMPOSABLE:
       rings.append((axis, mode))  # the compiler's collective either way (_transpose_einsum)
       continue
+    own = WEIGHT_GRADIENT_MODE if which == 'rhs' and mesh.shape[axis] > 2 else mode
     others = [p for p in plans if p.kind == 'reducescatter' and p.axis != axis and
               mesh.shape[p.axis] > 1 and
               not _problem(t_eq, p, t_shapes, t_specs, mesh, alone=False)]
@@ -184,7 +200,7 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
     # The compiler's collective over each axis, where the ring runs over another one.
     compiler = {p.axis: est[p.axis].comm_seconds for p in candidates}
     left = lambda a: sum(s for b, s in compiler.items() if b != a)
-    total = {} if whole else {(axis, mode): est[axis].seconds[mode] + left(axis)}
+    total = {} if whole else {(axis, own): est[axis].seconds[own] + left(axis)}
     for p in others:
       for m in ('unidirectional', 'bidirectional'):
         total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
@@ -374,7 +390,8 @@ def _decomposed_bwd(cfg, residuals, g):
   lhs, rhs = residuals
   eq, specs = Equation.parse(cfg.equation), (cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
   if (cfg.backward == ('ring', 'ring') and cfg.backward_over[0] is None and
-      cfg.backward_over[1] is not None and keeps_cotangent(eq, cfg.axis, specs, cfg.mesh)):
+      cfg.backward_over[1] is not None and cfg.backward_over[1][0] != cfg.axis and
+      keeps_cotangent(eq, cfg.axis, specs, cfg.mesh)):
     # The data gradient's ring gathers g over the forward's axis block by block; the
     # weight gradient's ring over another axis (fsdp) gets g whole from it instead of the
     # compiler gathering it again (the same bytes twice over the same links). Not for a

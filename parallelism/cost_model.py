@@ -38,8 +38,12 @@ Predicted times (all modeled, not measured):
 * ``bidirectional``: ``R = ceil((N-1)/2)`` rounds, each computing two blocks
   while both link directions carry one block each:
   ``c + R (max(c2, t) + latency)``, ``c2`` the round's one einsum over both blocks
-  (FLOPs 2F/N; the operand that stays is read once); without async transfers
-  ``T_comp + T_comm + R latency``.
+  (FLOPs 2F/N; the operand that stays is read once); for an even N the last round
+  is the opposite device's block alone, half of it from each side (``ring.py``):
+  ``c + (R-1) (max(c2, t) + latency) + max(c, t/2) + latency``, plus, for an
+  all-gather, writing the two halves it forwards out of the blocks that hold them
+  (a block's bytes read and written). Without async transfers ``T_comp + T_comm +
+  R latency``.
 
 So decomposition pays only when per-step compute hides per-step transfer, and
 on the CPU profile (synchronous copies) never.
@@ -123,6 +127,10 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   if profile.async_collectives:
     uni = c + (n - 1) * (max(c, t) + lat)
     bi = c + rounds * (max(c2, t) + lat)
+    if n % 2 == 0 and n > 2:  # the last round: the opposite block alone, a half each way
+      bi = c + (rounds - 1) * (max(c2, t) + lat) + max(c, (t - lat) / 2 + lat) + lat
+      if plan.kind != 'reducescatter':  # the halves it forwards are copies of its blocks
+        bi += 2 * block / hbm
   else:
     uni = t_comp + (n - 1) * (t + lat)
     bi = t_comp + t_comm + rounds * lat

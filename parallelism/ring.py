@@ -10,6 +10,12 @@ directions of every link. In every step the permute of the next block is
 issued before the einsum of the current one, and does not depend on it, so
 an asynchronous backend overlaps the two; only the first (all-gather) or last
 (reduce-scatter) transfer is exposed.
+
+A bidirectional ring of an even N has one more block to move one way than the
+other (the opposite device's: N/2 hops either way). That block travels in two
+halves, one each way (``halves_dim``), so each direction carries N/2 - 1/2
+blocks in N/2 transfers, not N/2 blocks one way and N/2 - 1 the other: the
+longer direction, which a link-bound ring waits for, is half a block shorter.
 """
 
 from __future__ import annotations
@@ -131,11 +137,24 @@ def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n:
     acc, right, left = _loop(1, n_left, both, (acc, right, left), unroll)
     if n_right == n_left:  # the last round holds blocks +-n_left: one einsum
       return consume_pair(acc, right, at(n_left), left, at(-n_left))
+    dim = halves_dim(shard) if n_right == n_left + 1 else None
+    if dim is not None:  # the opposite block, idx + n_right: one half from each side
+      first = recv_from(jnp.split(right, 2, dim)[0], axis, n, +1)
+      second = recv_from(jnp.split(left, 2, dim)[1], axis, n, -1)
+      acc = consume_pair(acc, right, at(n_left), left, at(-n_left))
+      return consume(acc, jnp.concatenate([first, second], dim), at(n_right))
     nxt = recv_from(right, axis, n, +1)  # block n_left + 1; no more from the left
     acc, right = consume_pair(acc, right, at(n_left), left, at(-n_left)), nxt
     start = n_left + 1
   acc, right = _loop(start, n_right, right_only, (acc, right), unroll)
   return consume(acc, right, at(n_right))
+
+
+def halves_dim(x: jax.Array) -> int | None:
+  """The dimension along which an even bidirectional ring splits the opposite device's
+  block into the halves that travel one each way: the first of even size (the most
+  major, so each half is contiguous), or None (the block travels whole, one way)."""
+  return next((d for d, size in enumerate(x.shape) if size % 2 == 0), None)
 
 
 def waiting_for(x, token):
@@ -191,25 +210,58 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     return sum_rounded(recv_from(acc_r, axis, n, -1),
                        _unfused(partial(at(n_right - s), after=acc_r)))
 
+  if n_left and n_right == n_left + 1 and partial_halves(partial, idx) is not None:
+    # Even ring: the opposite block's contribution leaves in halves, one each way;
+    # both accumulators then make n_right hops.
+    first = partial(at(n_right))
+    dim = halves_dim(first)
+    half_r, half_l = jnp.split(first, 2, dim)
+    mine_r, mine_l = partial_pair(at(n_right - 1), at(1 - n_right), _unfused,
+                                  after=(half_r, half_l))
+    # Each half arrives into a whole block of zeros (a pad, fused into the addition: no
+    # copy of the joined block).
+    size = half_r.shape[dim]
+    widen = lambda x, lo: jnp.pad(x, [(lo, size - lo) if d == dim else (0, 0)
+                                      for d in range(x.ndim)])
+    acc_r = sum_rounded(mine_r, widen(recv_from(half_r, axis, n, -1), 0))
+    acc_l = sum_rounded(mine_l, widen(recv_from(half_l, axis, n, +1), size))
+    acc_r, acc_l = _loop(2, n_right, _both_steps(partial_pair, at, axis, n, n_right, n_right),
+                         (acc_r, acc_l), unroll)
+    return _last(partial, idx, axis, n, acc_r, acc_l)
   if n_left:  # accumulators that move right (n_right hops) and left (n_left hops)
     acc_r, acc_l = partial_pair(at(n_right), at(-n_left))
-
-    def both(s, carry):
-      acc_r, acc_l = carry
-      mine_r, mine_l = partial_pair(at(n_right - s), at(s - n_left), _unfused,
-                                    after=(acc_r, acc_l))
-      return (sum_rounded(recv_from(acc_r, axis, n, -1), mine_r),
-              sum_rounded(recv_from(acc_l, axis, n, +1), mine_l))
-
-    acc_r, acc_l = _loop(1, n_left, both, (acc_r, acc_l), unroll)
+    acc_r, acc_l = _loop(1, n_left, _both_steps(partial_pair, at, axis, n, n_right, n_left),
+                         (acc_r, acc_l), unroll)
   else:
     acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
-  sent = (acc_r, acc_l) if n_left else acc_r
+  return _last(partial, idx, axis, n, acc_r, acc_l if n_left else None)
+
+
+def _both_steps(partial_pair, at, axis: str, n: int, right: int, left: int):
+  """A bidirectional round ``s``: the right-moving accumulator of block ``right - s`` and
+  the left-moving one of block ``s - left`` arrive and take this device's contributions,
+  computed while they travel."""
+  def both(s, carry):
+    acc_r, acc_l = carry
+    mine_r, mine_l = partial_pair(at(right - s), at(s - left), _unfused, after=(acc_r, acc_l))
+    return (sum_rounded(recv_from(acc_r, axis, n, -1), mine_r),
+            sum_rounded(recv_from(acc_l, axis, n, +1), mine_l))
+  return both
+
+
+def _last(partial, idx, axis: str, n: int, acc_r, acc_l):
+  """This device's own block: the arriving accumulators and its own contribution."""
+  sent = (acc_r, acc_l) if acc_l is not None else acc_r
   last = [recv_from(acc_r, axis, n, -1), partial(idx, after=sent)]
-  if n_left:
+  if acc_l is not None:
     last.append(recv_from(acc_l, axis, n, +1))
   return sum_rounded(*last)
+
+
+def partial_halves(partial, idx) -> int | None:
+  """``halves_dim`` of a contribution ``partial`` returns (its shape only)."""
+  return halves_dim(jax.eval_shape(lambda i: partial(i), idx))
 
 
 def sum_rounded(*xs: jax.Array) -> jax.Array:

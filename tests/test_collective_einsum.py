@@ -135,7 +135,9 @@ def test_hlo_has_no_collective_over_the_decomposed_axis(pattern):
   assert explain(eq, lhs_shape, rhs_shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
                  out_spec=os_, mode='unidirectional').collective == kind
   n = mesh.shape[T]
-  for mode, steps in (('none', 0), ('unidirectional', n - 1), ('bidirectional', n - 1)):
+  # An even bidirectional ring sends the opposite device's block as two halves, one each
+  # way: n permutes of n - 1 blocks' bytes.
+  for mode, steps in (('none', 0), ('unidirectional', n - 1), ('bidirectional', n)):
     fwd, _ = _run(eq, ls, rs, os_, mesh, lhs, rhs, mode)
     hlos = [fwd.lower(lhs, rhs).compile().as_text()]
     for argnum in (0, 1):  # each operand's gradient alone: one transposed einsum
@@ -224,7 +226,13 @@ def test_cost_model_choices():
   assert est.step_compute_seconds > est.step_transfer_seconds  # compute hides transfer
   assert est.seconds[d.mode] < est.seconds['none']
   d = explain(eq, **small, hardware='tpu_v4')  # tiny per-step compute: comm-bound
-  assert d.mode == 'none' and d.estimate.step_compute_seconds < d.estimate.step_transfer_seconds
+  est = d.estimate
+  assert est.step_compute_seconds < est.step_transfer_seconds
+  # A unidirectional ring moves every block over one direction: slower than the compiler's
+  # collective. A bidirectional one (the opposite block in halves) moves what the
+  # compiler's does, so it gains at most the einsum it overlaps.
+  assert est.seconds['unidirectional'] > est.seconds['none']
+  assert est.seconds['none'] - est.compute_seconds <= est.seconds['bidirectional']
 
 
 def test_cost_model_formula_by_hand():
@@ -240,7 +248,9 @@ def test_cost_model_formula_by_hand():
   assert est.step_transfer_seconds == pytest.approx(t)
   assert est.seconds['none'] == pytest.approx(4 * c + 3 * t / 2)
   assert est.seconds['unidirectional'] == pytest.approx(c + 3 * max(c, t))
-  assert est.seconds['bidirectional'] == pytest.approx(c + 2 * max(2 * c, t))
+  # Two rounds: two blocks through one einsum, then the opposite block alone, a half of it
+  # over each direction (an even ring).
+  assert est.seconds['bidirectional'] == pytest.approx(c + max(2 * c, t) + max(c, t / 2))
 
 
 def test_other_axes_are_gathered_before_the_ring_not_inside_it():
@@ -434,12 +444,13 @@ def test_bidirectional_rings_run_one_einsum_per_step(pattern):
 
 def test_weight_gradient_is_one_einsum_where_its_ring_would_be_memory_bound():
   # x [b, t, d] over (data, tensor) on (b, t), w [d, f] over tensor on f. The forward
-  # gathers 512-token blocks; the weight gradient's ring would add each block's
-  # product into an fp32 [d, f/8] accumulator, HBM-bound on v4 at these widths:
-  # auto keeps the forward ring and computes that gradient as one einsum.
+  # gathers 256-token blocks; the weight gradient's ring would add each round's product
+  # into a [d, f/8] accumulator, HBM-bound on v4 at these widths (with 512-token blocks
+  # its bidirectional ring is not): auto keeps the forward ring and computes that
+  # gradient as one einsum.
   eq, ls, rs, os_, _ = PATTERNS[0]
   mesh = _mesh(8, 1)
-  d = explain(eq, (1, 4096, 8192), (8192, 65536), 'bfloat16', mesh=mesh, lhs_spec=ls,
+  d = explain(eq, (1, 2048, 8192), (8192, 65536), 'bfloat16', mesh=mesh, lhs_spec=ls,
               rhs_spec=rs, out_spec=os_, hardware='tpu_v4')
   assert d.mode != 'none' and d.backward == ('ring', 'none'), d
   assert 'gradient of rhs as one einsum' in d.reason
@@ -487,15 +498,17 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   # fsdp would leave x's gather over tensor to the compiler, which prefetches it, but its
   # transfer holds the tensor links the data gradient's ring needs (compiled, the ring
   # queued behind it: 64B ours 4.700 s a step against 4.649 s with the weight gradient's
-  # ring over tensor, modeled with links taking turns). The ring over tensor wins.
+  # ring over tensor, modeled with links taking turns). The ring over tensor wins, and runs
+  # bidirectional though the forward's is unidirectional (WEIGHT_GRADIENT_MODE).
   mesh64 = jax.sharding.AbstractMesh((1, 64, 8), (D, F, T))
   gate_up = lambda **kw: explain(
       'btd,sdf->btsf', (512, 2048, 8192), (2, 8192, 26112), 'bfloat16', mesh=mesh64,
       lhs_spec=P(B, T, None), rhs_spec=P(None, F, T), out_spec=P(B, None, None, T),
       hardware='tpu_v4', **kw)
   d = gate_up()
-  assert d.axis == T and d.backward == ('ring', 'ring'), d
-  assert d.backward_over == (None, None), d
+  assert d.axis == T and d.mode == 'unidirectional' and d.backward == ('ring', 'ring'), d
+  assert d.backward_over == (None, (T, 'bidirectional')), d
+  assert d.gradient(0) == 'ring' and d.gradient(1) == 'bidirectional over tensor', d
   # Under gradient_accumulators='sharded' that ring, whose accumulator holds the [2, d, f/8]
   # gradient whole over fsdp, is no candidate: the ring over fsdp is next best.
   d = gate_up(gradient_accumulators='sharded')
@@ -535,11 +548,12 @@ def test_weight_gradient_ring_over_fsdp_matches_einsum(mode):
   want = jax.grad(loss(lambda x, w: jnp.einsum(eq, x, w)), argnums=(0, 1))(x, w)
   for a, b in zip(grad(x, w), want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-  # The gradient's partial sums travel the fsdp ring (3 permutes on a ring of 4) instead
-  # of a reduce-scatter or all-reduce over fsdp after the einsum.
+  # The gradient's partial sums travel the fsdp ring (3 permutes on a ring of 4, 4 where
+  # bidirectional: the opposite block's in halves) instead of a reduce-scatter or
+  # all-reduce over fsdp after the einsum.
   ring = lambda x, w: run_decision(dataclasses.replace(d, backward_over=(None, None)), x, w,
                                    mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
-  for fn, permutes, reduced in ((f, 3, False), (ring, 0, True)):
+  for fn, permutes, reduced in ((f, 3 + (mode == 'bidirectional'), False), (ring, 0, True)):
     module = hlo_text.parse(jax.jit(jax.grad(loss(fn), argnums=(0, 1))).lower(x, w)
                             .compile().as_text())
     assert sum(o != 0 for o in hlo_text.permute_offsets(module, mesh, F)) == permutes
@@ -638,3 +652,50 @@ def test_reduce_scatter_contributions_wait_for_the_accumulator_sent_beside_them(
            for v in e.invars if v in held]
   assert sent and waits  # (the ring's loop is one scan in the jaxpr)
   assert all(any(s in w for w in waits) for s in sent)  # every accumulator has its einsum
+
+
+@pytest.mark.parametrize('pattern', [PATTERNS[0], PATTERNS[3]], ids=['allgather', 'reducescatter'])
+def test_weight_gradient_ring_in_another_mode_matches_einsum(pattern):
+  # A unidirectional forward whose weight gradient rings bidirectionally over the same
+  # axis (WEIGHT_GRADIENT_MODE): values and both gradients against plain einsums; the
+  # reduce-scatter forward's data gradient does not hand its gathered cotangent on (that
+  # is for a weight gradient over another axis).
+  eq, ls, rs, os_, _ = pattern
+  mesh = _mesh(8, 1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdf', 2))
+  x = jax.random.normal(jax.random.key(0), lhs_shape)
+  w = jax.random.normal(jax.random.key(1), rhs_shape)
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='unidirectional')
+  d = dataclasses.replace(d, backward_over=(None, (T, 'bidirectional')))
+  assert d.gradient(1) == 'bidirectional over tensor'
+  f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
+  out_shape = jax.eval_shape(lambda a, b: jnp.einsum(eq, a, b), x, w).shape
+  loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights(out_shape))
+  np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
+  got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+  want = jax.grad(loss(lambda x, w: jnp.einsum(eq, x, w)), argnums=(0, 1))(x, w)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('pattern', [PATTERNS[0], PATTERNS[3]], ids=['allgather', 'reducescatter'])
+def test_even_bidirectional_ring_sends_the_opposite_block_in_halves(pattern):
+  # On a ring of 8 one device is 4 hops away either way: its block (all-gather) or its
+  # accumulator (reduce-scatter) travels as two halves, one each way, so both directions
+  # carry 3.5 blocks in 4 transfers (not 4 blocks one way and 3 the other).
+  eq, ls, rs, os_, _ = pattern
+  mesh = _mesh(8, 1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdf', 2))
+  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                     out_spec=os_, mode='bidirectional')
+  jaxpr = jax.make_jaxpr(f)(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).jaxpr
+  sizes = {+1: [], -1: []}  # by the direction data moves: to the next device or back
+  # (the permutes traced: a loop's body once)
+  for e in _eqns(jaxpr):
+    if e.primitive.name == 'ppermute':
+      src, dst = e.params['perm'][0]
+      sizes[+1 if (dst - src) % 8 == 1 else -1].append(e.invars[0].aval.size)
+  block = max(sizes[+1])
+  assert sorted(sizes[+1]) == sorted(sizes[-1]), sizes  # the same transfers each way
+  assert [s for s in sizes[+1] if s != block] == [block // 2], sizes  # one of them a half
