@@ -33,8 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_unroll = 1          # two layers per iteration: ours 2.417 s, baseline 2.628 s
   c.mesh.fsdp = 64
   c.mesh.tensor = 8
-  # Rings over tensor=8 run with no loop, every step its own ops (modeled, ours: 4.473 s;
-  # two steps per loop iteration 4.649 s, one 4.906 s).
+  # Rings over tensor=8 run with no loop, every step its own ops (modeled, ours: 4.342 s;
+  # before the halved opposite blocks 4.473 s, against 4.649 s with two steps per loop
+  # iteration and 4.906 s with one).
   c.parallelism.unroll = 8
   # The chip's flags only: the 500B's ICI pipelining makes both slower here (modeled:
   # baseline 5.019 -> 5.103 s, ours 4.649 -> 4.671 s with two ring steps per iteration).
