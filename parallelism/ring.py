@@ -210,12 +210,11 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     return sum_rounded(recv_from(acc_r, axis, n, -1),
                        _unfused(partial(at(n_right - s), after=acc_r)))
 
-  if n_left and n_right == n_left + 1 and partial_halves(partial, idx) is not None:
-    # Even ring: the opposite block's contribution leaves in halves, one each way;
-    # both accumulators then make n_right hops.
-    first = partial(at(n_right))
-    dim = halves_dim(first)
-    half_r, half_l = jnp.split(first, 2, dim)
+  # An even ring: the opposite block's contribution leaves in halves, one each way; both
+  # accumulators then make n_right hops.
+  dim = halves_dim(jax.eval_shape(partial, idx)) if n_left and n_right == n_left + 1 else None
+  if dim is not None:
+    half_r, half_l = jnp.split(partial(at(n_right)), 2, dim)
     mine_r, mine_l = partial_pair(at(n_right - 1), at(1 - n_right), _unfused,
                                   after=(half_r, half_l))
     # Each half arrives into a whole block of zeros (a pad, fused into the addition: no
@@ -257,11 +256,6 @@ def _last(partial, idx, axis: str, n: int, acc_r, acc_l):
   if acc_l is not None:
     last.append(recv_from(acc_l, axis, n, +1))
   return sum_rounded(*last)
-
-
-def partial_halves(partial, idx) -> int | None:
-  """``halves_dim`` of a contribution ``partial`` returns (its shape only)."""
-  return halves_dim(jax.eval_shape(lambda i: partial(i), idx))
 
 
 def sum_rounded(*xs: jax.Array) -> jax.Array:
