@@ -69,6 +69,17 @@ def weights(shape):
   return jnp.cos(jnp.arange(np.prod(shape), dtype=jnp.float32)).reshape(shape)
 
 
+def _assert_gradients_match_einsum(f, eq, x, w):
+  """Both operands' gradients of ``f`` (``einsum(eq, x, w)`` decomposed) against the plain
+  einsum's, under a fixed weighting of the output."""
+  out_shape = jax.eval_shape(lambda a, b: jnp.einsum(eq, a, b), x, w).shape
+  loss = lambda fn: lambda a, b: jnp.sum(fn(a, b) * weights(out_shape))
+  got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+  want = jax.grad(loss(lambda a, b: jnp.einsum(eq, a, b)), argnums=(0, 1))(x, w)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 @given(pattern=st.sampled_from(PATTERNS), tensor=st.sampled_from([1, 2, 4, 8]),
        dtype=st.sampled_from(['float32', 'bfloat16']),
        mode=st.sampled_from(['unidirectional', 'bidirectional']),
@@ -463,12 +474,8 @@ def test_weight_gradient_is_one_einsum_where_its_ring_would_be_memory_bound():
   forced = dataclasses.replace(small, backward=('ring', 'none'))
   f = lambda x, w: run_decision(forced, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
                                 out_spec=os_)
+  _assert_gradients_match_einsum(f, eq, lhs, rhs)
   loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights((2, 16, 16)))
-  grad = jax.jit(jax.grad(loss(f), argnums=(0, 1)))
-  got = grad(lhs, rhs)
-  want = jax.grad(loss(lambda x, w: jnp.einsum(eq, x, w)), argnums=(0, 1))(lhs, rhs)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   ring = lambda x, w: run_decision(small, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
                                    out_spec=os_)
   permutes = lambda fn: _executed(
@@ -543,11 +550,8 @@ def test_weight_gradient_ring_over_fsdp_matches_einsum(mode):
               out_spec=os_, mode='bidirectional')
   d = dataclasses.replace(d, backward_over=(None, (F, mode)))
   f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
+  _assert_gradients_match_einsum(f, eq, x, w)
   loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights((8, 4, 8)))
-  grad = jax.jit(jax.grad(loss(f), argnums=(0, 1)))
-  want = jax.grad(loss(lambda x, w: jnp.einsum(eq, x, w)), argnums=(0, 1))(x, w)
-  for a, b in zip(grad(x, w), want):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   # The gradient's partial sums travel the fsdp ring (3 permutes on a ring of 4, 4 where
   # bidirectional: the opposite block's in halves) instead of a reduce-scatter or
   # all-reduce over fsdp after the einsum.
@@ -670,13 +674,8 @@ def test_weight_gradient_ring_in_another_mode_matches_einsum(pattern):
   d = dataclasses.replace(d, backward_over=(None, (T, 'bidirectional')))
   assert d.gradient(1) == 'bidirectional over tensor'
   f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
-  out_shape = jax.eval_shape(lambda a, b: jnp.einsum(eq, a, b), x, w).shape
-  loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights(out_shape))
   np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
-  got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
-  want = jax.grad(loss(lambda x, w: jnp.einsum(eq, x, w)), argnums=(0, 1))(x, w)
-  for a, b in zip(got, want):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  _assert_gradients_match_einsum(f, eq, x, w)
 
 
 @pytest.mark.parametrize('pattern', [PATTERNS[0], PATTERNS[3]], ids=['allgather', 'reducescatter'])
