@@ -118,6 +118,10 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     choice = estimate.best
     reason = f'cost model ({estimate.hardware}) picks {choice}' + (
         ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
+    if choice == 'unidirectional' and (estimate.seconds['bidirectional']
+                                       < estimate.seconds['unidirectional']):
+      reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
+                 'faster: the simpler ring)')
     if choice != 'none':
       rings = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
                               hardware, wire_fp32, gradient_accumulators == 'sharded')
@@ -202,8 +206,8 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
     left = lambda a: sum(s for b, s in compiler.items() if b != a)
     total = {} if whole else {(axis, own): est[axis].seconds[own] + left(axis)}
     for p in others:
-      for m in ('unidirectional', 'bidirectional'):
-        total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
+      m = est[p.axis].best_ring
+      total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
     plain = est[axis].compute_seconds + sum(compiler.values())
     best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
     rings.append(best if best and total[best] <= plain else None)

@@ -264,6 +264,16 @@ def test_cost_model_formula_by_hand():
   assert est.seconds['bidirectional'] == pytest.approx(c + max(2 * c, t) + max(c, t / 2))
 
 
+@pytest.mark.parametrize('bi, expected', [(0.995, 'unidirectional'), (0.98, 'bidirectional'),
+                                           (1.2, 'unidirectional')])
+def test_a_bidirectional_ring_must_gain_a_margin_over_a_unidirectional_one(bi, expected):
+  """A near tie goes to the simpler ring (cost_model.BIDIRECTIONAL_MIN_GAIN)."""
+  seconds = {'none': 1.1, 'unidirectional': 1.0, 'bidirectional': bi}
+  est = cost_model.Estimate('toy', T, 4, 1.0, 0.1, 0.25, 0.2, seconds)
+  assert est.best_ring == est.best == expected
+  assert dataclasses.replace(est, seconds=dict(seconds, none=0.9)).best == 'none'
+
+
 def test_other_axes_are_gathered_before_the_ring_not_inside_it():
   """An FSDP weight is gathered once before the ring; partial sums keep their sharding."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
@@ -535,7 +545,7 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   mesh = jax.sharding.AbstractMesh((2, 64, 8), (D, F, T))
   d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
               rhs_spec=rs, out_spec=os_, hardware='tpu_v4')
-  assert d.backward_over == (None, None), d
+  assert all(r is None or r[0] == T for r in d.backward_over), d
 
 
 @pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
