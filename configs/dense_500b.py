@@ -47,7 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = True       # one compiled block, not 100
   # Keep every projection's output but q/k/v's: the backward pass repeats only the q/k/v
   # projections (no MLP), and it fits with one layer per scan iteration (29.54 GiB per chip
-  # for ours, modeled 7.458 s; 'minimal' (7.323 s, 30.96 GiB), or two layers per iteration
+  # for ours, modeled 7.438 s; 'minimal' (7.323 s, 30.96 GiB), or two layers per iteration
   # (7.470 s, 31.12 GiB), does not fit; docs/paper_scale.md).
   c.model.remat = 'save_dot_except_qkv'
   c.model.scan_unroll = 1
