@@ -41,7 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Keep every projection's output but q/k/v's (the backward pass recomputes no MLP), one
   # (dense + MoE) unit per scan iteration, each unit's weights cast inside the scan: the
   # compiler's bf16 copy of all layers' weights (1.84 GiB per chip) does not fit beside the
-  # MLP outputs (modeled, ours: 3.536 s at 30.09 GiB per chip; with the copy, remat
+  # MLP outputs (modeled, ours: 3.504 s at 30.12 GiB per chip; with the copy, remat
   # 'save_dot_except_mlp' and two units per iteration, 3.892 s at 29.88 GiB; 'minimal'
   # 3.531 s at 31.32 GiB does not fit; docs/paper_scale.md).
   c.model.remat = 'save_dot_except_qkv'
