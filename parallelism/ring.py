@@ -27,6 +27,10 @@ import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import mlir
 
+# The named scope of every addition of partial sums (``sum_rounded``): the step model
+# reads it from the compiled program's op_names to cost those additions apart from the
+# rest of a ring's non-matmul work (``step_model.compute_terms``).
+ADDITIONS_SCOPE = 'partial_sums'
 
 # ---- the output buffer of an all-gather ring ----------------------------------------
 
@@ -260,8 +264,9 @@ def _last(partial, idx, axis: str, n: int, acc_r, acc_l):
 
 def sum_rounded(*xs: jax.Array) -> jax.Array:
   """The sum of ``xs`` computed in fp32 (or wider), rounded once to their dtype."""
-  acc = jnp.promote_types(xs[0].dtype, jnp.float32)
-  total = xs[0].astype(acc)
-  for x in xs[1:]:
-    total = total + x.astype(acc)
-  return total.astype(xs[0].dtype)
+  with jax.named_scope(ADDITIONS_SCOPE):
+    acc = jnp.promote_types(xs[0].dtype, jnp.float32)
+    total = xs[0].astype(acc)
+    for x in xs[1:]:
+      total = total + x.astype(acc)
+    return total.astype(xs[0].dtype)

@@ -91,6 +91,7 @@ from typing import Sequence
 import numpy as np
 
 from parallelism import hardware
+from parallelism.ring import ADDITIONS_SCOPE
 from parallelism.hlo_text import (Instr, Module, first_group, parse, shape_bytes,
                                   shape_dims, source_target_pairs, tuple_element)
 
@@ -755,8 +756,9 @@ def split_exposed_key(key: str) -> tuple[str, str]:
   return kind, op_name
 
 
-COMPUTE_TERMS = ('matmul at MXU rate', 'matmul HBM-bound excess', 'non-matmul')
-MXU, HBM_EXCESS, NON_MATMUL = COMPUTE_TERMS
+COMPUTE_TERMS = ('matmul at MXU rate', 'matmul HBM-bound excess', 'non-matmul',
+                 'partial-sum additions')
+MXU, HBM_EXCESS, NON_MATMUL, ADDITIONS = COMPUTE_TERMS
 
 
 def term_key(where: str, term: str) -> str:
@@ -770,10 +772,13 @@ def compute_terms(op_name: str, mxu_seconds: float, seconds: float) -> list[tupl
   ``ring`` for instructions of a decomposed collective einsum (their op_name names
   ``collective_einsum``), else ``plain``; the terms are its matmul FLOPs at the MXU rate,
   the time its HBM traffic takes beyond that (memory-bound matmuls), or all of it for an
-  instruction with no matmul (elementwise work, copies, reductions, updates)."""
+  instruction with no matmul (elementwise work, copies, reductions, updates); a ring's
+  additions of partial sums (op_name in ``ring.ADDITIONS_SCOPE``), the least of its
+  non-matmul work a reduce-scatter ring can do, are a term of their own."""
   where = 'ring' if 'collective_einsum' in op_name else 'plain'
   if not mxu_seconds:
-    return [(term_key(where, NON_MATMUL), seconds)]
+    adds = where == 'ring' and f'/{ADDITIONS_SCOPE}/' in op_name
+    return [(term_key(where, ADDITIONS if adds else NON_MATMUL), seconds)]
   return [(term_key(where, MXU), mxu_seconds),
           (term_key(where, HBM_EXCESS), seconds - mxu_seconds)]
 

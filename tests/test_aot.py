@@ -143,6 +143,8 @@ def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
   # Compute by term: ours' rings are named, the baseline has none; the terms sum to compute.
   terms = {n: s['modeled'][n]['compute_terms'] for n in ('baseline', 'ours')}
   assert terms['ours']['ring: matmul at MXU rate'] > 0
+  # o's and down's reduce-scatter rings add partial sums, named apart from other ring work
+  assert terms['ours']['ring: partial-sum additions'] > 0
   assert not any(t.startswith('ring:') and v for t, v in terms['baseline'].items())
   for name in ('baseline', 'ours'):
     assert sum(terms[name].values()) == pytest.approx(s['modeled'][name]['compute_seconds'])

@@ -13,6 +13,7 @@ from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib
+from parallelism import ring as ring_lib
 from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
                                           explain, keeps_cotangent, local_elements,
                                           run_decision)
@@ -328,6 +329,21 @@ def test_reduce_scatter_accumulators_travel_in_the_compute_dtype(mode):
   with pytest.raises(ValueError, match="ring_dtype='int8'"):
     explain(eq, lhs.shape, rhs.shape, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
             out_spec=os_, ring_dtype='int8')
+
+
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+def test_a_rings_additions_of_partial_sums_are_named_in_the_compiled_program(mode):
+  # The step model costs them as a term of their own by this name (ring.ADDITIONS_SCOPE).
+  eq, ls, rs, os_ = 'btf,fd->btd', P(D, None, T), P(T, None), P(D, T, None)
+  mesh = _mesh(8, 1)
+  lhs, rhs = jnp.ones((2, 64, 512)), jnp.ones((512, 64))
+  f = jax.jit(lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                             out_spec=os_, mode=mode))
+  module = hlo_text.parse(f.lower(lhs, rhs).compile().as_text())
+  named = [i for instrs in module.computations.values() for i in instrs
+           if f'/{ring_lib.ADDITIONS_SCOPE}/' in i.op_name]
+  assert named and all('collective_einsum' in i.op_name for i in named)
+  assert len(named) >= 7  # one addition per ring step at least (unrolled on CPU)
 
 
 @pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from parallelism import hardware, hlo_text, step_model
+from parallelism import ring as ring_lib
 
 # A ring step in a loop: a permute in flight over one matmul, three times, then a
 # synchronous all-gather over 4 chips.
@@ -100,6 +101,19 @@ def test_compute_terms_split_the_compute():
   moved = (64 * 128 + 128 * 256 + 64 * 256) * 2 / 1e10
   assert r.compute_terms['ring: matmul HBM-bound excess'] == pytest.approx(3 * (moved - matmul))
   assert sum(r.compute_terms.values()) == pytest.approx(r.compute_seconds)
+
+
+def test_a_rings_additions_of_partial_sums_are_a_term_of_their_own():
+  ring = 'jit(f)/collective_einsum/reducescatter/unidirectional/ab,bc->ac/shard_map'
+  adds = f'{ring}/{ring_lib.ADDITIONS_SCOPE}/convert_element_type'
+  assert step_model.compute_terms(adds, 0.0, 2.0) == [('ring: partial-sum additions', 2.0)]
+  assert step_model.compute_terms(f'{ring}/dynamic_slice', 0.0, 2.0) == [
+      ('ring: non-matmul', 2.0)]
+  # an addition outside a ring is plain work; one fused into a matmul is the matmul's
+  assert step_model.compute_terms(f'jit(f)/{ring_lib.ADDITIONS_SCOPE}/add', 0.0, 2.0) == [
+      ('plain: non-matmul', 2.0)]
+  assert step_model.compute_terms(adds, 1.5, 2.0) == [('ring: matmul at MXU rate', 1.5),
+                                                      ('ring: matmul HBM-bound excess', 0.5)]
 
 
 def test_non_matmul_work_by_op_name():
