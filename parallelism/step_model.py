@@ -772,9 +772,9 @@ def compute_terms(op_name: str, mxu_seconds: float, seconds: float) -> list[tupl
   ``ring`` for instructions of a decomposed collective einsum (their op_name names
   ``collective_einsum``), else ``plain``; the terms are its matmul FLOPs at the MXU rate,
   the time its HBM traffic takes beyond that (memory-bound matmuls), or all of it for an
-  instruction with no matmul (elementwise work, copies, reductions, updates); a ring's
-  additions of partial sums (op_name in ``ring.ADDITIONS_SCOPE``), the least of its
-  non-matmul work a reduce-scatter ring can do, are a term of their own."""
+  instruction with no matmul (elementwise work, copies, reductions, updates), where a
+  ring's additions of partial sums (op_name under ``ring.ADDITIONS_SCOPE``) are a term of
+  their own."""
   where = 'ring' if 'collective_einsum' in op_name else 'plain'
   if not mxu_seconds:
     adds = where == 'ring' and f'/{ADDITIONS_SCOPE}/' in op_name
