@@ -21,16 +21,19 @@ AOT = {'dense_500b': {
                                                 'ring: matmul HBM-bound excess': 0.1,
                                                 'ring: partial-sum additions': 0.3,
                                                 'ring: non-matmul': 0.1,
-                                                'plain: non-matmul': 0.6})}}}
+                                                'plain: non-matmul': 0.6}),
+        'xla': _variant(9.0, 7.7, 1.3, 0.55, {})}}}
 
 
 def test_compute_terms_are_ours_minus_the_baseline():
   lines = report.render_compute_terms(AOT)
   # 5% of the baseline's 7.0 s allows +0.350 s; the rings' non-matmul work alone is 0.400 s,
-  # 0.300 s of it additions.
-  assert ('| dense_500b | +0.600 | +0.000 | +0.100 | 0.300 | 0.100 | +0.100 | not met: allows '
-          '+0.350, ring non-matmul alone 1.1x that (additions 0.86x) |') in lines
+  # 0.300 s of it additions. XLA's windowed einsum adds 0.700 s, twice the allowance.
+  assert ('| dense_500b | +0.600 | +0.000 | +0.100 | 0.300 | 0.100 | +0.100 | +0.700 (2.00x) | '
+          'not met: allows +0.350, ring non-matmul alone 1.1x that (additions 0.86x) |') in lines
   results = copy.deepcopy(AOT)
+  del results['dense_500b']['modeled']['xla']
+  assert '| +0.100 | - | not met' in report.render_compute_terms(results)[-2]
   terms = results['dense_500b']['modeled']['ours']['compute_terms']
   terms['ring: partial-sum additions'], terms['ring: non-matmul'] = 0.4, 0.0
   assert report.render_compute_terms(results)[-2].endswith(
