@@ -8,15 +8,18 @@ Every number comes from a command run now, in a subprocess:
   einsums per einsum shape, the train-step time with and without them, and the
   tokens/s and MFU of a short run of configs/default.py.
 * With libtpu (the ``tpu`` extra): ``python -m launch.aot --json`` for each
-  paper-scale config (``AOT_CONFIGS``): per-chip memory against HBM, compile
-  time, and the modeled step time, exposed communication and MFU of the
-  baseline, XLA's own and our variant, next to the paper's numbers.
+  paper-scale config (``AOT_CONFIGS``: the four on their TPU v4 slices, then on
+  v5p slices of as many chips, ``configs/v5p.py``): per-chip memory against
+  HBM, compile time, and the modeled step time, exposed communication and MFU
+  of the baseline, XLA's own and our variant, next to the paper's numbers.
 
 Raw results go to docs/benchmarks/results.json, plots to docs/benchmarks/*.png.
 ``--only cpu`` (or ``aot``) re-measures one part and keeps the other from the
 previous results.json; ``--only aot --configs NAME ...`` re-measures those
-paper-scale configs only. Each part records the commit it was measured at. Re-running regenerates the same files from fresh
-measurements.
+paper-scale configs only. Each part, and each paper-scale config, records the
+commit it was measured at. Re-running regenerates the same files from fresh
+measurements. Every run (``--render`` too) also rewrites the summary README.md
+shows between its ``README_BEGIN`` and ``README_END`` markers (``readme_summary``).
 """
 
 from __future__ import annotations
@@ -53,8 +56,16 @@ CPU_BENCHMARKS = {
     'moe': (['-m', 'benchmarks.moe', '--json'],
             'MoE layer with the expert all-to-all chunked vs single'),
 }
-# Paper-scale configs compiled ahead of time for their TPU slice (configs/<name>.py).
-AOT_CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
+# Paper-scale configs compiled ahead of time for their TPU slice: configs/<name>.py on
+# TPU v4, and the same on v5p ('v5p:<name>', configs/v5p.py:<name>).
+PAPER_CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
+AOT_CONFIGS = PAPER_CONFIGS + [f'v5p:{name}' for name in PAPER_CONFIGS]
+
+
+def config_arg(name: str) -> str:
+  """The ``--config`` argument of ``launch.aot`` for an ``AOT_CONFIGS`` name."""
+  chip, _, base = name.rpartition(':')
+  return f'configs/{chip}.py:{base}' if chip else f'configs/{name}.py'
 
 
 def progress(message: str) -> None:
@@ -106,10 +117,11 @@ def measure_aot(names: list[str]) -> dict:
   env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
   out = {}
   for i, name in enumerate(names):
-    argv = ['-m', 'launch.aot', '--config', f'configs/{name}.py', '--json']
+    argv = ['-m', 'launch.aot', '--config', config_arg(name), '--json']
     progress(f'aot {i + 1}/{len(names)}: {name}: python {" ".join(argv)}')
     start = time.perf_counter()
     out[name] = run_json(argv, env)
+    out[name]['measured'] = _meta()
     for v in out[name]['variants'].values():  # the pair lists: python -m launch.aot --json
       v.get('permute_pairs', {}).pop('pairs', None)
     progress(f'aot {i + 1}/{len(names)}: {name} done in '
@@ -410,7 +422,7 @@ def render_mfu_target(aot: dict) -> list[str]:
 
 
 def render_aot(aot: dict, plots) -> list[str]:
-  lines = ['## Paper-scale configs on TPU v4, compiled ahead of time', '',
+  lines = ['## Paper-scale configs on TPU v4 and v5p, compiled ahead of time', '',
            'Each config is compiled for its TPU slice on this CPU machine by the real TPU '
            'compiler (`python -m launch.aot --config configs/<name>.py --json`), each variant '
            'in its own process and all with the chip\'s default compiler flags (MaxText\'s '
@@ -428,7 +440,7 @@ def render_aot(aot: dict, plots) -> list[str]:
   for name, s in aot.items():
     m = s['variants'].get('ours') or next(iter(s['variants'].values()))
     mem = m['memory']
-    rows.append([name, f'{s["parameters"] / 1e9:.1f}B', f'v4 `{s["topology"]}` ({s["chips"]})',
+    rows.append([name, f'{s["parameters"] / 1e9:.1f}B', f'`{s["topology"]}` ({s["chips"]})',
                  s['mesh'], f'{s["tokens_per_step"]:,}', f'`{s.get("remat", "?")}`',
                  _gib(mem['arguments']) if 'total' in mem else '-',
                  _gib(mem['temporaries']) if 'total' in mem else '-',
@@ -537,8 +549,9 @@ def plot(results: dict) -> dict:
       vals = [v / 2 ** 30 for v in values]
       ax.bar(names, vals, bottom=bottom, label=part)
       bottom = [b + v for b, v in zip(bottom, vals)]
-    usable = aot[names[0]]['variants']['ours']['memory']['usable_bytes'] / 2 ** 30
-    ax.axhline(usable, color='gray', linestyle='--', linewidth=1, label=f'usable {usable:.2f} GiB')
+    ax.plot(names, [m['usable_bytes'] / 2 ** 30 for m in mems], linestyle='none', marker='_',
+            markersize=28, color='gray', label='usable')
+    ax.tick_params(axis='x', labelrotation=20)
     ax.set_ylabel('GiB per chip')
     ax.set_title('Memory per chip, ours (TPU compiler)')
     ax.legend(fontsize=8)
@@ -563,7 +576,7 @@ def plot(results: dict) -> dict:
 def render(results: dict) -> str:
   paths = plot(results)
   when = '; '.join(f'{part} measured on {m["date"]} at commit `{m["commit"]}` ({m["machine"]})'
-                   for part, m in results['meta'].items())
+                   for part, m in _measured(results))
   lines = ['# Benchmarks', '',
            f'Generated by `python -m benchmarks.report`: {when}. Re-run it to regenerate this '
            'page, its plots and `docs/benchmarks/results.json` from fresh measurements '
@@ -572,9 +585,19 @@ def render(results: dict) -> str:
   if results.get('aot'):
     lines += render_aot(results['aot'], paths)
   else:
-    lines += ['## Paper-scale configs on TPU v4', '',
+    lines += ['## Paper-scale configs on TPU v4 and v5p', '',
               f'Not run: {results.get("aot_skipped", "libtpu is not installed")}.', '']
   return '\n'.join(lines).rstrip() + '\n'
+
+
+def _measured(results: dict) -> list[tuple[str, dict]]:
+  """(what, meta) per measurement: the CPU benchmarks, then the paper-scale configs grouped
+  by the run that measured them."""
+  out = [(part, m) for part, m in results['meta'].items()]
+  runs = {}
+  for name, s in results.get('aot', {}).items():
+    runs.setdefault(json.dumps(s['measured'], sort_keys=True), []).append(name)
+  return out + [(f'TPU AOT of {", ".join(names)}', json.loads(m)) for m, names in runs.items()]
 
 
 def _meta() -> dict:
@@ -619,7 +642,6 @@ def main(argv=None) -> int:
     results['meta']['CPU benchmarks'] = _meta()
     results['cpu'] = measure_cpu()
   if args.only in (None, 'aot'):
-    results['meta']['TPU AOT'] = _meta()
     if importlib.util.find_spec('libtpu') is None:
       results['aot'] = {}
       results['aot_skipped'] = "libtpu is not installed (pip install -e '.[tpu]')"
