@@ -277,12 +277,12 @@ def render_compute_terms(aot: dict) -> list[str]:
     base, ours = m['baseline'], m['ours']
     diff = lambda term, wheres=('ring', 'plain'): sum(
         _term(ours, w, term) - _term(base, w, term) for w in wheres)
-    adds, rest = (_term(ours, 'ring', t) for t in (step_model.ADDITIONS, step_model.NON_MATMUL))
+    _, _, adds, rest = _compute_parts(m)
     rows.append([name, f"{ours['compute_seconds'] - base['compute_seconds']:+.3f}",
                  f"{diff(step_model.MXU):+.3f}", f"{diff(step_model.HBM_EXCESS):+.3f}",
                  f'{adds:.3f}', f'{rest:.3f}', f"{diff(step_model.NON_MATMUL, ('plain',)):+.3f}",
                  _xla_compute(m.get('xla'), base['compute_seconds']),
-                 _compute_verdict(ours['compute_seconds'], base['compute_seconds'], adds, rest)])
+                 _compute_verdict(*_compute_parts(m))])
   if not rows:
     return []
   within = TARGETS['ours_compute_within'] - 1
@@ -306,6 +306,13 @@ def render_compute_terms(aot: dict) -> list[str]:
           ] + _table(['config', 'compute change', 'matmul at MXU rate', 'HBM-bound excess',
                       'ring additions', 'other ring non-matmul', 'other non-matmul',
                       'xla\'s compute change', f'{within:.0%} target'], rows) + ['']
+
+
+def _compute_parts(m: dict) -> tuple[float, float, float, float]:
+  """Ours' compute, the baseline's, and ours' rings' additions and other non-matmul work."""
+  ours = m['ours']
+  return (ours['compute_seconds'], m['baseline']['compute_seconds'],
+          _term(ours, 'ring', step_model.ADDITIONS), _term(ours, 'ring', step_model.NON_MATMUL))
 
 
 def _xla_compute(xla: dict | None, base: float) -> str:
@@ -332,6 +339,72 @@ def _compute_verdict(ours: float, base: float, adds: float, rest: float) -> str:
     return (f'not met: allows +{allowed:.3f}, ring non-matmul alone '
             f'{(adds + rest) / allowed:.1f}x that (additions {adds / allowed:.2f}x)')
   return f'not met: allows +{allowed:.3f}'
+
+
+README_BEGIN = '<!-- README_BEGIN: written by python -m benchmarks.report; do not edit -->'
+README_END = '<!-- README_END -->'
+README = os.path.join(ROOT, 'README.md')
+
+
+def readme_summary(aot: dict) -> list[str]:
+  """The modeled results and the issue's targets, as README.md shows them."""
+  rows = []
+  for name, s in aot.items():
+    m = s['modeled']
+    mfu = ' / '.join(f"{m[v]['mfu']:.1%}" if v in m else '-' for v in ('baseline', 'xla', 'ours'))
+    ours, base = m['ours'], m['baseline']
+    rows.append([name, f'`{s["topology"]}`', s['mesh'], mfu,
+                 f"{ours['speedup_vs_baseline']:.3f}x",
+                 f"{ours['speedup_vs_xla']:.3f}x" if ours.get('speedup_vs_xla') else '-',
+                 f"{ours['compute_seconds'] / base['compute_seconds']:.3f}"])
+  lines = [README_BEGIN, '',
+           'Modeled, not measured (`python -m benchmarks.report`, [docs/benchmarks.md]'
+           '(docs/benchmarks.md)): TPU programs compiled on a CPU by the real TPU compiler, '
+           'timed by the step model; ' + step_model.calibration_summary() + ' '
+           '([docs/calibration.md](docs/calibration.md)).', '']
+  lines += _table(['config', 'slice', 'mesh', 'modeled MFU: baseline / xla / ours',
+                   'ours / baseline', 'ours / xla', 'ours compute / baseline compute'], rows)
+  return lines + [''] + _readme_targets(aot) + ['', README_END]
+
+
+def _readme_targets(aot: dict) -> list[str]:
+  """The issue's targets over the four paper configs on v4, each with its verdict."""
+  names = [n for n in PAPER_CONFIGS if n in aot]
+  m = {n: aot[n]['modeled'] for n in names}
+  speedup = {n: m[n]['ours']['speedup_vs_baseline'] for n in names}
+  fast = [n for n in names if speedup[n] >= TARGETS['ours_vs_baseline']]
+  slow = ', '.join(f'{n} {speedup[n]:.3f}x' for n in names if n not in fast)
+  floor = all(speedup[n] >= TARGETS['ours_vs_baseline_all'] for n in names)
+  vs_xla = all(m[n]['ours'].get('speedup_vs_xla', 1.0) >= 1.0 for n in names)
+  mfu_name, mfu_target = TARGETS['mfu']
+  mfu = m[mfu_name]['ours']['mfu'] if mfu_name in m else None
+  parts = {n: _compute_parts(m[n]) for n in names}
+  short = '; '.join(f'{n} {p[0] / p[1]:.3f}x, ' + _compute_verdict(*p).removeprefix('not met: ')
+                    for n, p in parts.items() if not _compute_verdict(*p).startswith('met'))
+  met = lambda ok: 'met' if ok else 'not met'
+  return [f'Targets (issue "Decomposition that wins at scale"; the {len(names)} configs on v4; '
+          'modeled):', '',
+          f'- ours >= {TARGETS["ours_vs_baseline"]}x the baseline on three of four: '
+          f'{met(len(fast) >= 3)} ({len(fast)} of {len(names)}' + (f'; {slow}' if slow else '')
+          + ')',
+          f'- ours >= {TARGETS["ours_vs_baseline_all"]}x the baseline and >= xla on all: '
+          f'{met(floor and vs_xla)}',
+          f'- {mfu_name} ours MFU >= {mfu_target:.0%}: '
+          + (f'{met(mfu >= mfu_target)} ({mfu:.1%})' if mfu is not None else 'not measured'),
+          f"- ours' compute within {TARGETS['ours_compute_within'] - 1:.0%} of the "
+          f"baseline's: {met(not short)}" + (f' ({short}; seconds a step)' if short else '')]
+
+
+def write_readme_summary(aot: dict, path: str = README) -> None:
+  """Replaces the README's text between ``README_BEGIN`` and ``README_END``."""
+  with open(path, encoding='utf-8') as f:
+    text = f.read()
+  head, begin, rest = text.partition(README_BEGIN)
+  _, end, tail = rest.partition(README_END)
+  if not (begin and end):
+    raise ValueError(f'{path}: no {README_BEGIN!r} ... {README_END!r} block to rewrite')
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(head + '\n'.join(readme_summary(aot)) + tail)
 
 
 def render_rings(aot: dict, top: int = 4) -> list[str]:
@@ -631,6 +704,7 @@ def main(argv=None) -> int:
       results = json.load(f)
     with open(DOC, 'w', encoding='utf-8') as f:
       f.write(render(results))
+    _readme(results)
     progress(f'wrote {os.path.relpath(DOC, ROOT)} from {os.path.relpath(path, ROOT)}')
     return 0
   if args.only and os.path.exists(path):
@@ -656,8 +730,17 @@ def main(argv=None) -> int:
     f.write('\n')
   with open(DOC, 'w', encoding='utf-8') as f:
     f.write(render(results))
+  _readme(results)
   progress(f'wrote {os.path.relpath(DOC, ROOT)}, {os.path.relpath(OUT, ROOT)}/')
   return 0
+
+
+def _readme(results: dict) -> None:
+  if results.get('aot'):
+    write_readme_summary(results['aot'])
+    progress('wrote the summary in README.md')
+  else:
+    progress('README.md: its summary kept (no paper-scale results)')
 
 
 if __name__ == '__main__':

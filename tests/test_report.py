@@ -1,9 +1,14 @@
 """benchmarks/report.py: the targets' arithmetic, rendered from modeled results."""
 
 import copy
+import json
+import os
+
+import pytest
 
 from benchmarks import report
 from launch import aot
+from tests.conftest import ROOT
 
 
 def _variant(step, compute, exposed, mfu, terms):
@@ -98,3 +103,56 @@ def test_a_config_without_rings_gets_the_bound_of_hiding_everything():
   [note, _] = report.render_rings(results)
   assert note.endswith('ours would be 1.1111x, still below 1.14x: no overlap reaches the '
                        'target at this compute.')
+
+
+def _summary_results():
+  """AOT's 500B plus a 10B without rings and a v5p row, with what the README table reads."""
+  results = copy.deepcopy(AOT)
+  s = results['dense_500b']
+  s.update(topology='v4:8x8x16', mesh='fsdp=128 x tensor=8')
+  s['modeled']['ours']['speedup_vs_xla'] = 9.0 / 8.0
+  ten = copy.deepcopy(s)
+  ten['modeled']['ours'] = dict(ten['modeled']['baseline'], speedup_vs_xla=1.0)
+  results['dense_10b'] = ten
+  results['v5p:dense_500b'] = dict(copy.deepcopy(s), topology='v5p:8x8x16')
+  return results
+
+
+def test_the_readme_summary_shows_each_config_and_each_targets_verdict():
+  lines = report.readme_summary(_summary_results())
+  assert lines[0] == report.README_BEGIN and lines[-1] == report.README_END
+  assert ('| dense_500b | `v4:8x8x16` | fsdp=128 x tensor=8 | 50.0% / 55.0% / 62.5% | 1.250x | '
+          '1.125x | 1.086 |') in lines
+  assert '| v5p:dense_500b | `v5p:8x8x16` |' in '\n'.join(lines)
+  assert 'the 2 configs on v4' in '\n'.join(lines)  # v5p rows are shown, not judged
+  targets = [l for l in lines if l.startswith('- ')]
+  assert targets[0] == ('- ours >= 1.14x the baseline on three of four: not met (1 of 2; '
+                        'dense_10b 1.000x)')
+  assert targets[1] == '- ours >= 1.0x the baseline and >= xla on all: met'
+  assert targets[2] == '- dense_500b ours MFU >= 72%: not met (62.5%)'
+  assert targets[3] == ("- ours' compute within 5% of the baseline's: not met (dense_500b "
+                        '1.086x, allows +0.350, ring non-matmul alone 1.1x that (additions '
+                        '0.86x); seconds a step)')
+
+
+def test_the_readme_block_is_rewritten_in_place(tmp_path):
+  readme = tmp_path / 'README.md'
+  readme.write_text(f'intro\n{report.README_BEGIN}\nold numbers\n{report.README_END}\nrest\n')
+  report.write_readme_summary(_summary_results(), str(readme))
+  text = readme.read_text()
+  assert text.startswith('intro\n') and text.endswith(f'{report.README_END}\nrest\n')
+  assert 'old numbers' not in text and '| dense_10b |' in text
+  readme.write_text('no block\n')
+  with pytest.raises(ValueError, match='no .* block to rewrite'):
+    report.write_readme_summary(_summary_results(), str(readme))
+
+
+def test_the_readme_quotes_the_committed_results():
+  """README.md's summary is what the report writes from docs/benchmarks/results.json: a hand
+  edit, or results re-measured without the README rewritten, fails here."""
+  with open(os.path.join(ROOT, 'docs', 'benchmarks', 'results.json'), encoding='utf-8') as f:
+    aot = json.load(f)['aot']
+  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+    text = f.read()
+  block = text[text.index(report.README_BEGIN):text.index(report.README_END)]
+  assert block + report.README_END == '\n'.join(report.readme_summary(aot))
