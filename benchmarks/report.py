@@ -115,13 +115,13 @@ def measure_cpu() -> dict:
 
 def measure_aot(names: list[str]) -> dict:
   env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
-  out = {}
+  out, meta = {}, _meta()  # the commit the run started from
   for i, name in enumerate(names):
     argv = ['-m', 'launch.aot', '--config', config_arg(name), '--json']
     progress(f'aot {i + 1}/{len(names)}: {name}: python {" ".join(argv)}')
     start = time.perf_counter()
     out[name] = run_json(argv, env)
-    out[name]['measured'] = _meta()
+    out[name]['measured'] = meta
     for v in out[name]['variants'].values():  # the pair lists: python -m launch.aot --json
       v.get('permute_pairs', {}).pop('pairs', None)
     progress(f'aot {i + 1}/{len(names)}: {name} done in '
@@ -251,7 +251,8 @@ def render_terms(aot: dict) -> list[str]:
            'faster), and the term that decides the ratio.', '']
   lines += _table(['config', 'variant', 'modeled speedup', 'compute change s',
                    'exposed comm change s', 'deciding term'], rows)
-  lines += ['', 'Targets (issue "Decomposition that wins at scale"; modeled): ours >= '
+  lines += ['', 'Targets (issue "Decomposition that wins at scale"; modeled; for the four '
+            'configs on v4, the v5p rows for comparison): ours >= '
             f'{TARGETS["ours_vs_baseline"]}x the baseline for three of four configs and >= '
             f'{TARGETS["ours_vs_baseline_all"]}x for all, >= the xla variant, ours\' compute '
             f'within {TARGETS["ours_compute_within"] - 1:.0%} of the baseline\'s.', '']
@@ -497,7 +498,8 @@ def render_mfu_target(aot: dict) -> list[str]:
 def render_aot(aot: dict, plots) -> list[str]:
   lines = ['## Paper-scale configs on TPU v4 and v5p, compiled ahead of time', '',
            'Each config is compiled for its TPU slice on this CPU machine by the real TPU '
-           'compiler (`python -m launch.aot --config configs/<name>.py --json`), each variant '
+           'compiler (`python -m launch.aot --config configs/<name>.py --json`; the '
+           '`v5p:<name>` rows `--config configs/v5p.py:<name>`), each variant '
            'in its own process and all with the chip\'s default compiler flags (MaxText\'s '
            'asynchronous-collective flags, `parallelism/hardware.py`), as a user trains: '
            '**baseline** (`collective_matmul=never`, XLA\'s windowed einsum off), **xla** '
@@ -612,7 +614,8 @@ def plot(results: dict) -> dict:
     save(fig, 'train_step')
   if aot:
     names = list(aot)
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    wide = (max(6.0, 1.1 * len(names)), 3.8)
+    fig, ax = plt.subplots(figsize=wide)
     mems = [aot[n]['variants']['ours']['memory'] for n in names]
     parts = {'arguments': [m.get('arguments', 0) for m in mems],
              'temporaries': [m.get('temporaries', 0) for m in mems],
@@ -631,14 +634,14 @@ def plot(results: dict) -> dict:
     save(fig, 'aot_memory')
     variants = [v for v in ('baseline', 'xla', 'ours') if all(v in aot[n]['modeled']
                                                               for n in names)]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = plt.subplots(figsize=wide)
     bars(ax, names, {v: [aot[n]['modeled'][v]['speedup_vs_baseline'] for n in names]
                      for v in variants}, 'modeled speedup vs baseline', 1.0, 'baseline')
     ax.axhspan(1.14, 1.38, color='green', alpha=0.12, label='paper 1.14x-1.38x')
     ax.legend(fontsize=8)
     ax.set_title('Modeled speedup per model size (not measured)')
     save(fig, 'aot_speedup')
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = plt.subplots(figsize=wide)
     bars(ax, names, {v: [100 * aot[n]['modeled'][v]['mfu'] for n in names] for v in variants},
          'modeled MFU (%)', 72, 'paper: 72% (500B, 1024 chips)')
     ax.set_title('Modeled MFU per model size (not measured)')
@@ -685,10 +688,12 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--only', choices=('cpu', 'aot'), default=None,
                       help='re-measure one part; keep the other from results.json')
-  parser.add_argument('--configs', nargs='+', choices=AOT_CONFIGS, default=None,
-                      help='with --only aot: re-measure these configs, keep the others')
+  parser.add_argument('--configs', nargs='+', choices=AOT_CONFIGS, default=None, metavar='NAME',
+                      help='with --only aot: re-measure these configs, keep the others '
+                           f'({", ".join(AOT_CONFIGS)})')
   parser.add_argument('--render', action='store_true',
-                      help='measure nothing: rewrite the page from results.json')
+                      help="measure nothing: rewrite the page and README.md's summary from "
+                           'results.json')
   parser.add_argument('--default_run', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if not args.default_run and importlib.util.find_spec('matplotlib') is None:
