@@ -278,12 +278,13 @@ def render_compute_terms(aot: dict) -> list[str]:
     base, ours = m['baseline'], m['ours']
     diff = lambda term, wheres=('ring', 'plain'): sum(
         _term(ours, w, term) - _term(base, w, term) for w in wheres)
-    _, _, adds, rest = _compute_parts(m)
+    parts = _compute_parts(m)
+    adds, rest = parts[2:]
     rows.append([name, f"{ours['compute_seconds'] - base['compute_seconds']:+.3f}",
                  f"{diff(step_model.MXU):+.3f}", f"{diff(step_model.HBM_EXCESS):+.3f}",
                  f'{adds:.3f}', f'{rest:.3f}', f"{diff(step_model.NON_MATMUL, ('plain',)):+.3f}",
                  _xla_compute(m.get('xla'), base['compute_seconds']),
-                 _compute_verdict(*_compute_parts(m))])
+                 _compute_verdict(*parts)])
   if not rows:
     return []
   within = TARGETS['ours_compute_within'] - 1
@@ -380,8 +381,9 @@ def _readme_targets(aot: dict) -> list[str]:
   mfu_name, mfu_target = TARGETS['mfu']
   mfu = m[mfu_name]['ours']['mfu'] if mfu_name in m else None
   parts = {n: _compute_parts(m[n]) for n in names}
-  short = '; '.join(f'{n} {p[0] / p[1]:.3f}x, ' + _compute_verdict(*p).removeprefix('not met: ')
-                    for n, p in parts.items() if not _compute_verdict(*p).startswith('met'))
+  verdicts = {n: _compute_verdict(*p) for n, p in parts.items()}
+  short = '; '.join(f'{n} {parts[n][0] / parts[n][1]:.3f}x, ' + v.removeprefix('not met: ')
+                    for n, v in verdicts.items() if not v.startswith('met'))
   met = lambda ok: 'met' if ok else 'not met'
   return [f'Targets (issue "Decomposition that wins at scale"; the {len(names)} configs on v4; '
           'modeled):', '',
@@ -396,14 +398,20 @@ def _readme_targets(aot: dict) -> list[str]:
           f"baseline's: {met(not short)}" + (f' ({short}; seconds a step)' if short else '')]
 
 
-def write_readme_summary(aot: dict, path: str = README) -> None:
-  """Replaces the README's text between ``README_BEGIN`` and ``README_END``."""
+def _readme_parts(path: str) -> tuple[str, str]:
+  """The README's text before its summary block and after it."""
   with open(path, encoding='utf-8') as f:
     text = f.read()
   head, begin, rest = text.partition(README_BEGIN)
   _, end, tail = rest.partition(README_END)
   if not (begin and end):
     raise ValueError(f'{path}: no {README_BEGIN!r} ... {README_END!r} block to rewrite')
+  return head, tail
+
+
+def write_readme_summary(aot: dict, path: str = README) -> None:
+  """Replaces the README's text between ``README_BEGIN`` and ``README_END``."""
+  head, tail = _readme_parts(path)
   with open(path, 'w', encoding='utf-8') as f:
     f.write(head + '\n'.join(readme_summary(aot)) + tail)
 
@@ -702,6 +710,11 @@ def main(argv=None) -> int:
   if args.default_run:
     print(json.dumps(default_run()))
     return 0
+  try:  # before measuring for an hour, not after
+    _readme_parts(README)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   path = os.path.join(OUT, 'results.json')
   previous = {}
   if args.render:

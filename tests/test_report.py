@@ -156,3 +156,15 @@ def test_the_readme_quotes_the_committed_results():
     text = f.read()
   block = text[text.index(report.README_BEGIN):text.index(report.README_END)]
   assert block + report.README_END == '\n'.join(report.readme_summary(aot))
+
+
+def test_a_readme_without_the_block_stops_the_report_before_it_measures(tmp_path, monkeypatch,
+                                                                         capsys):
+  readme = tmp_path / 'README.md'
+  readme.write_text('no block\n')
+  monkeypatch.setattr(report, 'README', str(readme))
+  monkeypatch.setattr(report, 'measure_cpu', lambda: pytest.fail('measured'))
+  assert report.main(['--only', 'cpu']) == 2
+  err = capsys.readouterr().err
+  assert err.startswith('error: ') and err.rstrip().endswith('block to rewrite'), err
+  assert readme.read_text() == 'no block\n'
