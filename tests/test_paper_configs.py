@@ -52,6 +52,12 @@ def test_runs_as_a_user_would_on_its_tpu_slice(name):
   assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0
 
 
+def test_v5p_names_a_bad_argument_once():
+  with pytest.raises(config_lib.ConfigError) as e:
+    _load('v5p:dense_1t')
+  assert str(e.value).count('dense_1t') == 1 and 'one of' in str(e.value), e.value
+
+
 @pytest.mark.parametrize('chips', [1, 4, 8])  # one GPU; a v4-8; a v5e-8 or eight GPUs
 def test_the_single_host_config_fits_the_hosts_it_names(chips):
   cfg = _load('single_host')
