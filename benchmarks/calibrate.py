@@ -94,15 +94,19 @@ class Row:
     return self.modeled
 
 
-def compile_row(path: str, args, overrides, hlo_dir: str, progress: str) -> Row:
-  """Compiles ``path``'s ``maxtext`` variant (raises ConfigError on bad input)."""
-  print(f'[{progress}] {path}: compiling (one at a time)...', file=sys.stderr, flush=True)
-  cfg = config_lib.load(path, overrides)
-  if not cfg.aot.measured_mfu:
+def check_row(path: str, args, overrides, hlo_dir: str) -> tuple:
+  """Loads and checks ``path`` as launch.aot would, compiling nothing (raises ConfigError)."""
+  if not config_lib.load(path, overrides).aot.measured_mfu:
     raise ConfigError(f'{path} has no aot.measured_mfu (the measurement to check against)')
   ns = argparse.Namespace(config=path, topology=args.topology, variants='maxtext',
                           hlo_dir=os.path.join(hlo_dir, _name(path)), flag_set='')
-  cfg, topology, chip, chips, _, info = aot.load(ns, overrides)
+  return (ns,) + aot.load(ns, overrides)
+
+
+def compile_row(path: str, args, overrides, hlo_dir: str, progress: str) -> Row:
+  """Compiles ``path``'s ``maxtext`` variant (raises ConfigError on bad input)."""
+  print(f'[{progress}] {path}: compiling (one at a time)...', file=sys.stderr, flush=True)
+  ns, cfg, topology, chip, chips, _, info = check_row(path, args, overrides, hlo_dir)
   r = aot.run_variant(ns, overrides, 'maxtext', topology,
                       hardware.compiler_flags(chip, cfg.hardware.xla_flags))
   if 'error' in r:
@@ -231,6 +235,8 @@ def main(argv=None) -> int:
     return 2
   with tempfile.TemporaryDirectory() as tmp:
     try:
+      for path in paths:  # every row's config and overrides, before the first compile
+        check_row(path, args, overrides, args.hlo_dir or tmp)
       rows = [compile_row(path, args, overrides, args.hlo_dir or tmp, f'{i + 1}/{len(paths)}')
               for i, path in enumerate(paths)]
     except (ConfigError, RuntimeError) as e:  # bad input exits 2, a compiler refusal 1

@@ -39,3 +39,11 @@ def test_the_default_rows_are_maxtexts_three():
 def test_a_config_without_a_measurement_is_refused(capsys):
   assert calibrate.main(['--configs', 'configs/default.py']) == 2
   assert 'has no aot.measured_mfu' in _error_line(capsys)
+
+
+def test_a_bad_override_is_refused_before_anything_compiles(capsys, monkeypatch):
+  monkeypatch.setattr(calibrate, 'compile_row', lambda *a: pytest.fail('compiled'))
+  assert calibrate.main(['--config.steps=0']) == 2
+  assert 'steps=0' in _error_line(capsys)
+  assert calibrate.main(['--rows', 'nope']) == 2
+  assert 'unrecognized argument: --rows' in _error_line(capsys)
