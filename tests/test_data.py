@@ -120,3 +120,12 @@ def test_local_rows_follow_the_sharding(devices):
   out = pipeline.to_global(batch, s, 8)['x']
   assert out.sharding == s
   np.testing.assert_array_equal(jax.device_get(out), batch['x'])
+
+
+def test_the_reference_command_answers_help_and_refuses_unknown_flags(capsys):
+  with pytest.raises(SystemExit) as e:
+    data.main(['--help'])
+  assert e.value.code == 0 and 'gzip -9' in capsys.readouterr().out
+  with pytest.raises(SystemExit) as e:
+    data.main(['--bogus'])
+  assert e.value.code == 2 and 'unrecognized arguments: --bogus' in capsys.readouterr().err
