@@ -103,10 +103,11 @@ def check_row(path: str, args, overrides, hlo_dir: str) -> tuple:
   return (ns,) + aot.load(ns, overrides)
 
 
-def compile_row(path: str, args, overrides, hlo_dir: str, progress: str) -> Row:
-  """Compiles ``path``'s ``maxtext`` variant (raises ConfigError on bad input)."""
+def compile_row(checked: tuple, overrides, progress: str) -> Row:
+  """Compiles the ``maxtext`` variant of a row ``check_row`` checked."""
+  ns, cfg, topology, chip, chips, _, info = checked
+  path = ns.config
   print(f'[{progress}] {path}: compiling (one at a time)...', file=sys.stderr, flush=True)
-  ns, cfg, topology, chip, chips, _, info = check_row(path, args, overrides, hlo_dir)
   r = aot.run_variant(ns, overrides, 'maxtext', topology,
                       hardware.compiler_flags(chip, cfg.hardware.xla_flags))
   if 'error' in r:
@@ -235,10 +236,9 @@ def main(argv=None) -> int:
     return 2
   with tempfile.TemporaryDirectory() as tmp:
     try:
-      for path in paths:  # every row's config and overrides, before the first compile
-        check_row(path, args, overrides, args.hlo_dir or tmp)
-      rows = [compile_row(path, args, overrides, args.hlo_dir or tmp, f'{i + 1}/{len(paths)}')
-              for i, path in enumerate(paths)]
+      # every row's config and overrides, before the first compile
+      checked = [check_row(path, args, overrides, args.hlo_dir or tmp) for path in paths]
+      rows = [compile_row(c, overrides, f'{i + 1}/{len(paths)}') for i, c in enumerate(checked)]
     except (ConfigError, RuntimeError) as e:  # bad input exits 2, a compiler refusal 1
       print(f'error: {e}', file=sys.stderr)
       return 2 if isinstance(e, ConfigError) else 1

@@ -4,6 +4,7 @@ import os
 import re
 
 import pytest
+from benchmarks import report
 from launch import aot
 from models import attention
 from models.transformer import count_params
@@ -19,9 +20,7 @@ CONFIGS = V4 + [f'v5p:{name}' for name in V4]
 
 
 def _load(name):
-  chip, _, model = name.rpartition(':')
-  return config_lib.load(os.path.join(ROOT, 'configs', f'{chip}.py:{model}' if chip
-                                      else f'{model}.py'))
+  return config_lib.load(os.path.join(ROOT, report.config_arg(name)))
 
 
 def _named_size(name: str) -> float:
