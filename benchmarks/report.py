@@ -9,9 +9,10 @@ Every number comes from a command run now, in a subprocess:
   tokens/s and MFU of a short run of configs/default.py.
 * With libtpu (the ``tpu`` extra): ``python -m launch.aot --json`` for each
   paper-scale config (``AOT_CONFIGS``: the four on their TPU v4 slices, then on
-  v5p slices of as many chips, ``configs/v5p.py``): per-chip memory against
-  HBM, compile time, and the modeled step time, exposed communication and MFU
-  of the baseline, XLA's own and our variant, next to the paper's numbers.
+  v5p slices of as many chips at layouts searched there, ``configs/v5p.py``):
+  per-chip memory against HBM, compile time, and the modeled step time, exposed
+  communication and MFU of the baseline, XLA's own and our variant, next to the
+  paper's numbers.
 
 Raw results go to docs/benchmarks/results.json, plots to docs/benchmarks/*.png.
 ``--only cpu`` (or ``aot``) re-measures one part and keeps the other from the
@@ -57,7 +58,7 @@ CPU_BENCHMARKS = {
             'MoE layer with the expert all-to-all chunked vs single'),
 }
 # Paper-scale configs compiled ahead of time for their TPU slice: configs/<name>.py on
-# TPU v4, and the same on v5p ('v5p:<name>', configs/v5p.py:<name>).
+# TPU v4, and the same models on v5p ('v5p:<name>', configs/v5p.py:<name>).
 PAPER_CONFIGS = ['dense_10b', 'dense_64b', 'dense_500b', 'moe_1t']
 AOT_CONFIGS = PAPER_CONFIGS + [f'v5p:{name}' for name in PAPER_CONFIGS]
 
@@ -507,7 +508,8 @@ def render_aot(aot: dict, plots) -> list[str]:
   lines = ['## Paper-scale configs on TPU v4 and v5p, compiled ahead of time', '',
            'Each config is compiled for its TPU slice on this CPU machine by the real TPU '
            'compiler (`python -m launch.aot --config configs/<name>.py --json`; the '
-           '`v5p:<name>` rows `--config configs/v5p.py:<name>`), each variant '
+           '`v5p:<name>` rows `--config configs/v5p.py:<name>`, each model at the layout '
+           'searched on its v5p slice), each variant '
            'in its own process and all with the chip\'s default compiler flags (MaxText\'s '
            'asynchronous-collective flags, `parallelism/hardware.py`), as a user trains: '
            '**baseline** (`collective_matmul=never`, XLA\'s windowed einsum off), **xla** '
