@@ -24,8 +24,10 @@ SLICES = {'dense_10b': 'v5p:4x4x8', 'dense_64b': 'v5p:8x8x8', 'dense_500b': 'v5p
 # --config configs/v5p.py:<name> --search --variants baseline,ours`` (``--max_compiles``
 # 4, 11 at 64B, whose eight best-ranked layouts have no tensor axis); for ``moe_1t``,
 # whose expert axis the search does not sweep, the best of remat ``minimal`` and twice
-# the batch, compiled by hand. The 64B is fastest with no tensor axis on v5p, so there
-# all variants compile one program.
+# the batch, compiled by hand. Each search ran from v4's layout, so its batches are half
+# to twice v4's: at most twice v4's tokens per step, a bound on the training recipe (run
+# from these layouts, the search would offer twice as many again). The 64B is fastest
+# with no tensor axis on v5p, so there all variants compile one program.
 LAYOUTS = {
     'dense_10b': {'batch_size': 512, 'model.remat': 'save_dot_except_qkv'},
     'dense_64b': {'mesh.data': 8, 'mesh.fsdp': 64, 'mesh.tensor': 1, 'batch_size': 1024,

@@ -132,7 +132,7 @@ def parse_args(argv):
                       help='sweep layouts (mesh, tokens per chip, remat) for the slice: '
                            'prune by estimated memory, compile the best (launch/search.py)')
   parser.add_argument('--max_compiles', type=int, default=6,
-                      help='with --search: layouts to compile (default 6)')
+                      help='with --search: layouts to compile (default 6; 0: rank them only)')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--flag_set', default='', help=argparse.SUPPRESS)
@@ -491,13 +491,14 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  if importlib.util.find_spec('libtpu') is None:
+  if args.search and args.max_compiles < 0:
+    print(f'error: --max_compiles {args.max_compiles} is negative', file=sys.stderr)
+    return 2
+  ranking_only = args.search and args.max_compiles == 0  # compiles nothing
+  if importlib.util.find_spec('libtpu') is None and not ranking_only:
     print(f'error: libtpu (the TPU compiler) is not installed: {INSTALL_HINT}', file=sys.stderr)
     return 2
   if args.search:
-    if args.max_compiles < 1:
-      print(f'error: --max_compiles {args.max_compiles} is not positive', file=sys.stderr)
-      return 2
 
     def compile_layout(extra):
       cfg_l, _, _, _, _, info_l = load(args, overrides + extra)

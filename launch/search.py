@@ -19,6 +19,8 @@ variant in its own process as ``launch.aot`` does, so a 500B search stays within
 about two hours on a 2-core machine. Prints progress, then one table (layout,
 estimated and compiled GiB per chip, fit, modeled MFU of each variant) and the
 best layout per variant. Everything but the compiler's memory figures is modeled.
+``--max_compiles 0`` compiles nothing (and needs no libtpu): it prints every
+surviving layout in rank order with its estimates, to choose how many to compile.
 
 Memory estimate per chip (bytes): parameters with AdamW moments and the
 gradient, ``16 N / (fsdp x tensor)`` (``14 N`` with a bfloat16 first moment);
@@ -202,6 +204,10 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   chips = math.prod(physical)
   progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
   kept = candidates(cfg, chips, profile, progress, physical=physical)
+  if not args.max_compiles:
+    progress(f'{len(kept)} pass the checks and the memory estimate; compiling none')
+    print(ranking(kept))
+    return 0
   chosen = kept[:args.max_compiles]
   progress(f'{len(kept)} pass the checks and the memory estimate; compiling the best '
            f'{len(chosen)} by analytical MFU, {len(variants)} variant(s) each')
@@ -213,6 +219,17 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
     rows.append((layout, estimate, mfu, summary))
   print(table(rows, variants))
   return 0
+
+
+def ranking(kept) -> str:
+  """The layouts that passed, best first, with the estimates that ranked them."""
+  head = ['rank', 'layout', 'est GiB', 'analytical MFU']
+  lines = [[str(i + 1), str(layout), f'{estimate / 2**30:.1f}', f'{mfu:.1%}']
+           for i, (layout, estimate, mfu) in enumerate(kept)]
+  widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
+  out = ['  '.join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + lines]
+  out.append('(estimates, not compiled: --max_compiles N compiles the first N)')
+  return '\n'.join(out)
 
 
 def table(rows, variants) -> str:

@@ -199,8 +199,19 @@ def test_search_grid_prunes_by_checks_and_memory():
 
 def test_search_refuses_a_bad_compile_budget(capsys, monkeypatch):
   monkeypatch.setattr(aot.importlib.util, 'find_spec', lambda name: True)
-  assert aot.main(['--config', DENSE_10B, '--search', '--max_compiles', '0']) == 2
-  assert '--max_compiles 0' in _error_line(capsys)
+  assert aot.main(['--config', DENSE_10B, '--search', '--max_compiles', '-1']) == 2
+  assert '--max_compiles -1' in _error_line(capsys)
+
+
+def test_search_with_no_compiles_ranks_the_layouts_without_libtpu(capsys, monkeypatch):
+  monkeypatch.setattr(aot.importlib.util, 'find_spec', lambda name: None)  # no libtpu
+  assert aot.main(['--config', DENSE_10B, '--search', '--max_compiles', '0']) == 0
+  out = capsys.readouterr()
+  rows = [l for l in out.out.splitlines() if l[:1].isdigit()]
+  assert out.out.startswith('rank  layout') and rows[0].startswith('1 ') and 'data=' in rows[0]
+  assert len(rows) > 10 and 'compiling none' in out.err and 'compiling for' not in out.err
+  mfus = [float(r.split()[-1].rstrip('%')) for r in rows]
+  assert mfus == sorted(mfus, reverse=True)  # best first
 
 
 @needs_libtpu
