@@ -221,13 +221,17 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   return 0
 
 
+def _aligned(rows) -> list[str]:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
 def ranking(kept) -> str:
   """The layouts that passed, best first, with the estimates that ranked them."""
   head = ['rank', 'layout', 'est GiB', 'analytical MFU']
   lines = [[str(i + 1), str(layout), f'{estimate / 2**30:.1f}', f'{mfu:.1%}']
            for i, (layout, estimate, mfu) in enumerate(kept)]
-  widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
-  out = ['  '.join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + lines]
+  out = _aligned([head] + lines)
   out.append('(estimates, not compiled: --max_compiles N compiles the first N)')
   return '\n'.join(out)
 
@@ -249,8 +253,7 @@ def table(rows, variants) -> str:
       if mfu and mem['fit'] == 'FITS' and mfu > best.get(v, (0, None))[0]:
         best[v] = (mfu, layout)
     lines.append(cells)
-  widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
-  out = ['  '.join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + lines]
+  out = _aligned([head] + lines)
   out.append('(modeled MFU: the step model over each compiled program; not measured)')
   for v, (mfu, layout) in best.items():
     out.append(f'best for {v}: {layout} ({mfu:.1%} modeled MFU)')
