@@ -499,7 +499,6 @@ def main(argv=None) -> int:
     print(f'error: libtpu (the TPU compiler) is not installed: {INSTALL_HINT}', file=sys.stderr)
     return 2
   if args.search:
-
     def compile_layout(extra):
       cfg_l, _, _, _, _, info_l = load(args, overrides + extra)
       results = compile_variants(args, overrides + extra, cfg_l, topology, chip, variants)

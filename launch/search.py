@@ -204,13 +204,13 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   chips = math.prod(physical)
   progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
   kept = candidates(cfg, chips, profile, progress, physical=physical)
+  chosen = kept[:args.max_compiles]
+  progress(f'{len(kept)} pass the checks and the memory estimate; ' + (
+      f'compiling the best {len(chosen)} by analytical MFU, {len(variants)} variant(s) each'
+      if args.max_compiles else 'compiling none'))
   if not args.max_compiles:
-    progress(f'{len(kept)} pass the checks and the memory estimate; compiling none')
     print(ranking(kept))
     return 0
-  chosen = kept[:args.max_compiles]
-  progress(f'{len(kept)} pass the checks and the memory estimate; compiling the best '
-           f'{len(chosen)} by analytical MFU, {len(variants)} variant(s) each')
   rows = []
   for i, (layout, estimate, mfu) in enumerate(chosen):
     progress(f'[{i + 1}/{len(chosen)}] {layout} (estimated {estimate / 2**30:.1f} GiB, '
