@@ -19,22 +19,15 @@ import ml_collections
 SLICES = {'dense_10b': 'v5p:4x4x8', 'dense_64b': 'v5p:8x8x8', 'dense_500b': 'v5p:8x8x16',
           'moe_1t': 'v5p:8x8x16'}
 
-# Each model's best compiled layout on its v5p slice (modeled MFU; docs/paper_scale.md
-# has the tables): for the dense three the layout search's, ``python -m launch.aot
-# --config configs/v5p.py:<name> --search --variants baseline,ours`` (``--max_compiles``
-# 4, 11 at 64B, whose eight best-ranked layouts have no tensor axis); for ``moe_1t``,
-# whose expert axis the search does not sweep, the best of remat ``minimal`` and twice
-# the batch, compiled by hand. Each search ran from v4's layout, so its batches are half
-# to twice v4's: at most twice v4's tokens per step, a bound on the training recipe (run
-# from these layouts, the search would offer twice as many again). The 64B is fastest
-# with no tensor axis on v5p, so there all variants compile one program; its weight
-# gradients are all-reduced over ``data``, which the compiler ran synchronously inside
-# the layer loop until MaxText's continuation-fusion flags for all-reduce
-# (``CF_FOR_ALL_REDUCE`` in its flag library) made some asynchronous: modeled 4.585 ->
-# 4.383 s. They speed up ``moe_1t``'s baseline too (its all-reduces around the expert
-# exchange: 4.356 -> 4.260 s; ours 3.572 -> 3.578 s), not the 500B's (9.001 s either way,
-# with its ICI pipelining flags) nor the 10B's (1.200 -> 1.199 s on v4); on v4 the
-# baselines of the 64B, 500B and ``moe_1t`` do not compile with them (out of VMEM).
+# Each model's best compiled layout on its v5p slice, modeled (docs/paper_scale.md has the
+# tables): for the dense three the layout search's (``python -m launch.aot --config
+# configs/v5p.py:<name> --search``, run from v4's layouts, so at most twice v4's tokens
+# per step); for ``moe_1t``, whose expert axis the search does not sweep, the best of its
+# remat and twice its batch, compiled by hand. The 64B is fastest with no tensor axis on
+# v5p. MaxText's continuation-fusion flags for all-reduce (its ``CF_FOR_ALL_REDUCE``)
+# make the baselines of the 64B and ``moe_1t`` faster (some of their all-reduces run
+# asynchronously) and change neither the 500B nor the 10B; on v4 the baselines run out
+# of VMEM with them.
 ALL_REDUCE_FLAGS = ('default --xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true '
                     '--xla_enable_async_all_reduce=true')
 LAYOUTS = {

@@ -445,8 +445,7 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
                       f"{p['compute_between_us']:.1f}", f"{p['exposed_us']:.1f}",
                       ', '.join(p['einsums_between'][:3]) or '-')
                      for p in pp['pairs'][:max_pairs]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines += ['  ' + '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += ['  ' + row for row in search.aligned(rows)]
     if len(pp['pairs']) > max_pairs:
       lines.append(f"  ... {len(pp['pairs']) - max_pairs} more (--json lists all)")
   if s['modeled']:

@@ -204,13 +204,14 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   chips = math.prod(physical)
   progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
   kept = candidates(cfg, chips, profile, progress, physical=physical)
-  chosen = kept[:args.max_compiles]
-  progress(f'{len(kept)} pass the checks and the memory estimate; ' + (
-      f'compiling the best {len(chosen)} by analytical MFU, {len(variants)} variant(s) each'
-      if args.max_compiles else 'compiling none'))
+  passed = f'{len(kept)} pass the checks and the memory estimate'
   if not args.max_compiles:
+    progress(f'{passed}; compiling none')
     print(ranking(kept))
     return 0
+  chosen = kept[:args.max_compiles]
+  progress(f'{passed}; compiling the best {len(chosen)} by analytical MFU, '
+           f'{len(variants)} variant(s) each')
   rows = []
   for i, (layout, estimate, mfu) in enumerate(chosen):
     progress(f'[{i + 1}/{len(chosen)}] {layout} (estimated {estimate / 2**30:.1f} GiB, '
@@ -221,7 +222,8 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   return 0
 
 
-def _aligned(rows) -> list[str]:
+def aligned(rows) -> list[str]:
+  """Rows of strings as left-aligned columns two spaces apart."""
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   return ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -231,7 +233,7 @@ def ranking(kept) -> str:
   head = ['rank', 'layout', 'est GiB', 'analytical MFU']
   lines = [[str(i + 1), str(layout), f'{estimate / 2**30:.1f}', f'{mfu:.1%}']
            for i, (layout, estimate, mfu) in enumerate(kept)]
-  out = _aligned([head] + lines)
+  out = aligned([head] + lines)
   out.append('(estimates, not compiled: --max_compiles N compiles the first N)')
   return '\n'.join(out)
 
@@ -253,7 +255,7 @@ def table(rows, variants) -> str:
       if mfu and mem['fit'] == 'FITS' and mfu > best.get(v, (0, None))[0]:
         best[v] = (mfu, layout)
     lines.append(cells)
-  out = _aligned([head] + lines)
+  out = aligned([head] + lines)
   out.append('(modeled MFU: the step model over each compiled program; not measured)')
   for v, (mfu, layout) in best.items():
     out.append(f'best for {v}: {layout} ({mfu:.1%} modeled MFU)')
