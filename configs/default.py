@@ -131,6 +131,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Weight-gradient rings under 'auto': any (the cost model's fastest form) | sharded (none
   # whose accumulator holds the gradient whole over fsdp: less memory, for tight models).
   c.parallelism.gradient_accumulators = 'any'
+  # Which layers' gradients 'auto' may ring: ringed_forward (only where the forward rings) |
+  # any_forward (also a weight gradient beside the compiler's forward, over fsdp where the
+  # compiler's reduce-scatter would block; pays on some layouts only: configs/v5p.py).
+  c.parallelism.gradient_rings = 'ringed_forward'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

@@ -305,7 +305,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
     elif r['memory']:
       v['memory']['fit'] = 'DOES NOT FIT'
     layers = r.get('layers', [])
-    v['decomposed_layers'] = [l['path'] for l in layers if l['decision'] != 'none']
+    v['decomposed_layers'] = [l['path'] for l in layers if report.runs_a_ring(l)]
     v['layers'] = layers
     model = r.get('model')
     if model:

@@ -37,6 +37,9 @@ RING_DTYPES = ('compute', 'float32')
 # all-gather ring over the forward's axis whose accumulator is the local gradient whole
 # over fsdp; the gradient rings over fsdp or is one einsum, for models tight on memory).
 GRADIENT_ACCUMULATORS = ('any', 'sharded')
+# Which layers' gradients auto may ring (``explain``): only those whose forward rings, or
+# also those whose forward is left to the compiler (``_gradients_alone``).
+GRADIENT_RINGS = ('ringed_forward', 'any_forward')
 # The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
 WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
@@ -63,6 +66,12 @@ class Decision:
   # beside a unidirectional forward): ``_backward_forms``.
   backward_over: tuple[tuple[str, str] | None, tuple[str, str] | None] = (None, None)
 
+  @property
+  def decomposed(self) -> bool:
+    """Whether any of its einsums runs as a ring: the forward, or a gradient alone (a
+    weight gradient over ``fsdp`` beside a plain forward)."""
+    return self.mode != 'none' or any(self.backward_over)
+
   def gradient(self, which: int) -> str:
     """How gradient ``which`` (0: lhs, 1: rhs) runs: 'ring', 'MODE over AXIS' or 'none'."""
     other = self.backward_over[which]
@@ -79,7 +88,7 @@ def unroll_problem(unroll) -> str | None:
 
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
             mode='auto', hardware=None, ring_dtype='compute',
-            gradient_accumulators='any') -> Decision:
+            gradient_accumulators='any', gradient_rings='ringed_forward') -> Decision:
   """Decides how ``collective_einsum`` would run, without running it.
 
   Raises:
@@ -92,6 +101,9 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   if gradient_accumulators not in GRADIENT_ACCUMULATORS:
     raise ValueError(f'gradient_accumulators={gradient_accumulators!r} is not one of '
                      f'{GRADIENT_ACCUMULATORS}')
+  if gradient_rings not in GRADIENT_RINGS:
+    raise ValueError(f'gradient_rings={gradient_rings!r} is not one of {GRADIENT_RINGS}')
+  alone = gradient_rings == 'any_forward'
   wire_fp32 = ring_dtype == 'float32'
   eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
   # An axis of size 1 needs no collective whatever the specs say.
@@ -112,8 +124,16 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     why = '; '.join(problems.values()) or 'no mesh axis needs a collective'
     if mode != 'auto':
       raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
-    return Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}')
+    return _gradients_alone(
+        Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}'),
+        eq, shapes, all_specs, dtype, mesh, hardware, wire_fp32, alone)
   backward, backward_over = ('ring', 'ring'), (None, None)
+  if mode == 'auto' and estimate.best == 'none':
+    return _gradients_alone(
+        Decision(str(eq), 'none', None, chosen.kind, others, estimate,
+                 f'cost model ({estimate.hardware}) picks none' +
+                 (' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')),
+        eq, shapes, all_specs, dtype, mesh, hardware, wire_fp32, alone)
   if mode == 'auto':
     choice = estimate.best
     reason = f'cost model ({estimate.hardware}) picks {choice}' + (
@@ -143,7 +163,35 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
                   others, estimate, reason, backward, backward_over)
 
 
-def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, mesh, hardware,
+def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
+                     wire_fp32, enabled: bool) -> Decision:
+  """``plain`` (a forward left to the compiler, under auto), with each gradient einsum
+  that reduce-scatters over an axis as a ring over it where the cost model says that
+  ring costs less than the compiler's reduce-scatter, which blocks the chip; only where
+  ``enabled`` (``gradient_rings='any_forward'``).
+
+  A weight gradient under FSDP with a data axis (the batch over ``(data, fsdp)``): the
+  forward's weight gather over ``fsdp`` is the compiler's, prefetched, but the gradient's
+  reduce-scatter over ``fsdp`` is synchronous; its ring sums the batch's partial products
+  over ``fsdp`` block by block, and the compiler then sums its block over ``data``. Not by
+  default: the cost model counts a ring step's additions inside its einsum's time, the
+  compiled programs run them apart, and where the compiler's reduce-scatters are short the
+  rings lose (modeled, compiled: v5p ``dense_64b``, data=8 x fsdp=64, 4.383 -> 4.266 s a
+  step; ``dense_10b``, data=4 x fsdp=32, v4 1.200 -> 1.229 s, v5p 1.330 -> 1.340 s).
+  """
+  rings = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
+                          wire_fp32) if enabled else (None, None)
+  if not any(rings):
+    return plain
+  reason = plain.reason + ''.join(
+      f'; gradient of {which} {r[1]} over {r[0]} (the compiler\'s reduce-scatter over '
+      f'{r[0]} would block)' for which, r in zip(('lhs', 'rhs'), rings) if r)
+  return dataclasses.replace(plain, reason=reason, backward_over=rings,
+                             backward=tuple('ring' if r else 'none' for r in rings))
+
+
+def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
+                    mesh, hardware,
                     wire_fp32, sharded: bool = False
                     ) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum.
@@ -177,6 +225,9 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
   Under ``sharded`` (``GRADIENT_ACCUMULATORS``) an all-gather ring over the forward's
   axis is no candidate where the gradient is reduced over another axis afterwards: its
   accumulator would hold the gradient whole over that axis.
+
+  With ``axis`` None (a forward left to the compiler, ``_gradients_alone``) the candidates
+  are one einsum and the rings over the axes a gradient einsum reduce-scatters over.
   """
   sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
   out_shape = tuple(sizes[l] for l in eq.out)
@@ -188,27 +239,32 @@ def _backward_forms(eq: Equation, axis: str, mode: str, shapes, specs, dtype, me
   rings = []
   for which, (equation, t_specs, t_shapes) in transposed.items():
     t_eq, plans = einsum_plan.plan(equation, *t_specs)
-    plan = next((p for p in plans if p.axis == axis), None)
-    if plan is None or plan.kind not in DECOMPOSABLE:
+    plan = next((p for p in plans if p.axis == axis), None) if axis else None
+    if axis and (plan is None or plan.kind not in DECOMPOSABLE):
       rings.append((axis, mode))  # the compiler's collective either way (_transpose_einsum)
       continue
-    own = WEIGHT_GRADIENT_MODE if which == 'rhs' and mesh.shape[axis] > 2 else mode
     others = [p for p in plans if p.kind == 'reducescatter' and p.axis != axis and
               mesh.shape[p.axis] > 1 and
               not _problem(t_eq, p, t_shapes, t_specs, mesh, alone=False)]
-    candidates = [plan] + others
-    whole = sharded and plan.kind == 'allgather_contracting' and any(
-        p.kind == 'reducescatter' and p.axis != axis and mesh.shape[p.axis] > 1 for p in plans)
+    candidates = ([plan] if plan else []) + others
+    if not candidates:
+      rings.append(None)
+      continue
+    own_ring = plan is not None and not (
+        sharded and plan.kind == 'allgather_contracting' and any(
+            p.kind == 'reducescatter' and p.axis != axis and mesh.shape[p.axis] > 1
+            for p in plans))
     est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, wire_fp32)
            for p in candidates}
     # The compiler's collective over each axis, where the ring runs over another one.
     compiler = {p.axis: est[p.axis].comm_seconds for p in candidates}
     left = lambda a: sum(s for b, s in compiler.items() if b != a)
-    total = {} if whole else {(axis, own): est[axis].seconds[own] + left(axis)}
+    own = WEIGHT_GRADIENT_MODE if which == 'rhs' and plan and mesh.shape[axis] > 2 else mode
+    total = {(axis, own): est[axis].seconds[own] + left(axis)} if own_ring else {}
     for p in others:
       m = est[p.axis].best_ring
       total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
-    plain = est[axis].compute_seconds + sum(compiler.values())
+    plain = est[candidates[0].axis].compute_seconds + sum(compiler.values())
     best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
     rings.append(best if best and total[best] <= plain else None)
   return tuple(rings)
@@ -258,7 +314,11 @@ def _problem(eq, p, shapes, specs, mesh, alone: bool = True) -> str:
 
   ``alone``: the axis must shard each of its dims alone (the forward's rule); else
   other axes of size 1 on its dims are ignored (a weight gradient's ring over
-  ``fsdp`` where the batch is over ``(data, fsdp)`` and ``data`` is 1).
+  ``fsdp`` where the batch is over ``(data, fsdp)`` and ``data`` is 1). Either way a
+  reduce-scatter's contracted dim may be sharded over other axes too where both
+  operands shard it alike (the batch over ``(data, fsdp)`` in a weight gradient): each
+  device contracts its own block, and the partial sums over the other axes are reduced
+  after the ring (``_summed_axes``).
   """
   if p.kind not in DECOMPOSABLE:
     return p.reason
@@ -267,10 +327,15 @@ def _problem(eq, p, shapes, specs, mesh, alone: bool = True) -> str:
   out_axes = einsum_plan.letter_axes(eq.out, specs[2]).values()
   if p.kind != 'reducescatter' and not any(p.axis in axes for axes in out_axes):
     return f'the output is replicated over {p.axis}: each device would compute all of it'
+  alike = set()
+  if p.kind == 'reducescatter':
+    lhs_axes, rhs_axes = (einsum_plan.letter_axes(l, s)[p.letter]
+                          for l, s in ((eq.lhs, specs[0]), (eq.rhs, specs[1])))
+    alike = {p.letter} if lhs_axes == rhs_axes else set()
   for letters, spec in zip((eq.lhs, eq.rhs, eq.out), specs):
-    for axes in einsum_plan.letter_axes(letters, spec).values():
+    for letter, axes in einsum_plan.letter_axes(letters, spec).items():
       shared = [a for a in axes if a != p.axis and (alone or mesh.shape[a] > 1)]
-      if p.axis in axes and shared:
+      if p.axis in axes and shared and letter not in alike:
         return f'{p.axis} shares a dimension with other mesh axes {axes}'
   for letter in filter(None, (p.letter, p.out_letter)):
     if sizes[letter] % n:
@@ -325,19 +390,24 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
-  if decision.mode == 'none':
-    # The dot's output type is what the compiler's reduce-scatter or all-reduce of partial
-    # sums carries: the compute dtype (the MXU still accumulates each shard's products in
-    # fp32), as the rings do, unless ring_dtype says float32.
-    wire = _wire(dtype, ring_dtype == 'float32')
-    out = jnp.einsum(decision.equation, lhs, rhs, preferred_element_type=wire).astype(dtype)
-  else:
+  if not decision.decomposed:
+    out = _plain(decision.equation, lhs, rhs, dtype, ring_dtype == 'float32')
+  else:  # a ring forward, or a plain one whose gradients ring (cfg.axis None)
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
                   decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
                   decision.backward, decision.backward_over)
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
+
+
+def _plain(equation: str, lhs, rhs, dtype, wire_fp32: bool):
+  """One einsum, whose collectives the compiler inserts. The dot's output type is what the
+  compiler's reduce-scatter or all-reduce of partial sums carries: the compute dtype (the
+  MXU still accumulates each shard's products in fp32), as the rings do, unless
+  ``ring_dtype`` says float32."""
+  return jnp.einsum(equation, lhs, rhs,
+                    preferred_element_type=_wire(dtype, wire_fp32)).astype(dtype)
 
 
 def _acc(dtype):
@@ -357,7 +427,7 @@ class _Static:
   lhs_spec: PartitionSpec
   rhs_spec: PartitionSpec
   out_spec: PartitionSpec
-  axis: str
+  axis: str | None  # None: the forward is one einsum, only a gradient rings
   bidirectional: bool
   unroll: int
   wire_fp32: bool = False  # partial sums (accumulators, reductions) travel in fp32
@@ -383,11 +453,18 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _decomposed(cfg: _Static, lhs, rhs):
+  return _forward(cfg, lhs, rhs)
+
+
+def _forward(cfg: _Static, lhs, rhs):
+  if cfg.axis is None:
+    return _plain(cfg.equation, lhs, rhs, jnp.result_type(lhs.dtype, rhs.dtype),
+                  cfg.wire_fp32)
   return _ring_einsum(cfg, lhs, rhs)
 
 
 def _decomposed_fwd(cfg, lhs, rhs):
-  return _ring_einsum(cfg, lhs, rhs), (lhs, rhs)
+  return _forward(cfg, lhs, rhs), (lhs, rhs)
 
 
 def _decomposed_bwd(cfg, residuals, g):
@@ -434,14 +511,13 @@ def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring',
   """A gradient einsum, decomposed over the same axis when its pattern allows and
   ``form`` is 'ring'; else one einsum over what the compiler gathers. With
   ``keep_gathered`` (a ring), also the operand the ring gathered (``_ring_einsum``)."""
-  eq, plan = _axis_plan(cfg)
   whole = None
-  if plan.kind in DECOMPOSABLE and form == 'ring':
+  if form == 'ring' and cfg.axis and _axis_plan(cfg)[1].kind in DECOMPOSABLE:
     out = _ring_einsum(cfg, a, b, keep_gathered)
     if keep_gathered:
       out, whole = out
   else:  # e.g. an all-reduce: the compiler's collective, of partial sums in the wire dtype
-    out = jnp.einsum(str(eq), a, b, preferred_element_type=_wire(dtype, cfg.wire_fp32))
+    out = jnp.einsum(cfg.equation, a, b, preferred_element_type=_wire(dtype, cfg.wire_fp32))
   out = jax.lax.with_sharding_constraint(out, NamedSharding(cfg.mesh, cfg.out_spec))
   return (out.astype(dtype), whole) if keep_gathered else out.astype(dtype)
 

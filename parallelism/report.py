@@ -41,7 +41,7 @@ def rows(plan: Mapping[str, Any]) -> list[dict]:
         'modeled_step_transfer_us': est and round(est.step_transfer_seconds * 1e6, 3),
         'modeled_step_memory_bound': est and est.step_memory_bound,
         'gradients': {w: d.gradient(k) for k, w in enumerate(('lhs', 'rhs'))}
-                      if d.mode != 'none' else None,
+                      if d.decomposed else None,
         'modeled_seconds': est and est.seconds,
     })
   return out
@@ -87,11 +87,21 @@ def table(report_rows: list[dict]) -> str:
       step = '-'
     else:
       step = f"{r['modeled_step_compute_us']:.1f} / {r['modeled_step_transfer_us']:.1f}"
-    lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], r['decision'],
-                  step))
+    decision = r['decision']
+    if decision == 'none' and runs_a_ring(r):
+      decision += '; ' + ', '.join(f'{w} gradient {g}' for w, g in r['gradients'].items()
+                                   if g != 'none')
+    lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], decision, step))
   widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
   fmt = lambda l: '  '.join(str(c).ljust(w) for c, w in zip(l, widths)).rstrip()
   return '\n'.join([fmt(lines[0]), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines[1:]])
+
+
+def runs_a_ring(row: dict) -> bool:
+  """Whether a dense layer's row runs any ring: its forward, or a gradient beside a plain
+  forward."""
+  return row['decision'] != 'none' or any(
+      g != 'none' for g in (row.get('gradients') or {}).values())
 
 
 def modeled_us(row: dict) -> float | None:
@@ -106,7 +116,7 @@ def summary(report_rows: list[dict], policy: Any, path: str, costliest: int = 3)
   """A few lines for the start of a run: counts per decision, the costliest layers."""
   dense = [r for r in report_rows if 'modeled_single_us' not in r]
   exchanges = [r for r in report_rows if 'modeled_single_us' in r]
-  decomposed = sum(r['decision'] != 'none' for r in dense)
+  decomposed = sum(map(runs_a_ring, dense))
   chunked = sum(r['decision'] != 'single' for r in exchanges)
   moe_note = f', {chunked}/{len(exchanges)} expert all-to-alls chunked' if exchanges else ''
   counts = collections.Counter(r['decision'] for r in report_rows).most_common()

@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops, saved
 from parallelism import moe
-from parallelism.collective_einsum import (GRADIENT_ACCUMULATORS, RING_DTYPES, explain,
-                                          run_decision, unroll_problem)
+from parallelism.collective_einsum import (GRADIENT_ACCUMULATORS, GRADIENT_RINGS, RING_DTYPES,
+                                          explain, run_decision, unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -120,18 +120,20 @@ class MatmulPolicy:
   hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
   ring_dtype: str = 'compute'           # rings' partial sums (wire, between steps): compute | float32
   gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
+  gradient_rings: str = 'ringed_forward'  # ringed_forward | any_forward (collective_einsum.GRADIENT_RINGS)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
     return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
-               p.gradient_accumulators)
+               p.gradient_accumulators, p.gradient_rings)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
                'direction': ('unidirectional', 'bidirectional'),
-               'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS}
+               'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS,
+               'gradient_rings': GRADIENT_RINGS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -202,7 +204,8 @@ class ShardedOps(Ops):
             equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
             lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
             hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype,
-            gradient_accumulators=self.policy.gradient_accumulators),
+            gradient_accumulators=self.policy.gradient_accumulators,
+            gradient_rings=self.policy.gradient_rings),
         never='none', always=self.policy.direction))
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       out = run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],

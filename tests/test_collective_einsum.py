@@ -557,11 +557,64 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
               mesh=mesh64, lhs_spec=P(B, T, None), rhs_spec=P(F, T, None, None),
               out_spec=P(B, None, T, None, None), hardware='tpu_v4')
   assert d.backward == ('ring', 'ring') and d.backward_over == (None, None), d
-  # Where data shards the batch too (data=2), fsdp does not shard it alone: no such ring.
+  # Where data shards the batch too (data=2), the ring over fsdp still sums the batch's
+  # partial products; the compiler then sums each block over data.
   mesh = jax.sharding.AbstractMesh((2, 64, 8), (D, F, T))
-  d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
+  d = explain(eq, (512, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
               rhs_spec=rs, out_spec=os_, hardware='tpu_v4')
-  assert all(r is None or r[0] == T for r in d.backward_over), d
+  assert d.backward_over[1][0] == F, d
+
+
+def test_weight_gradients_ring_over_fsdp_beside_a_plain_forward():
+  # v5p's dense_64b layout (data=8 x fsdp=64, no tensor axis): every forward einsum is the
+  # compiler's (fsdp shares the batch with data; the weight's gather is prefetched), but
+  # each weight gradient's reduce-scatter over fsdp blocks the chip. Under
+  # gradient_rings='any_forward' its ring over fsdp costs less (modeled), so the weight
+  # gradient alone rings; by default (ringed_forward) nothing does.
+  mesh = jax.sharding.AbstractMesh((8, 64, 1), (D, F, T))
+  eq, ls, rs, os_ = DOWN
+  down = lambda **kw: explain(eq, (1024, 2048, 26112), (26112, 8192), 'bfloat16', mesh=mesh,
+                              lhs_spec=ls, rhs_spec=rs, out_spec=os_, **kw)
+  assert not down(hardware='tpu_v5p').decomposed
+  with pytest.raises(ValueError, match="gradient_rings='all'"):
+    down(hardware='tpu_v5p', gradient_rings='all')
+  d = down(hardware='tpu_v5p', gradient_rings='any_forward')
+  assert d.mode == 'none' and d.axis is None and d.decomposed, d
+  assert d.backward == ('none', 'ring') and d.backward_over == (None, (F, 'bidirectional'))
+  assert d.gradient(0) == 'none' and d.gradient(1) == 'bidirectional over fsdp', d
+  assert d.reason.startswith('fallback to none') and 'rhs bidirectional over fsdp' in d.reason
+  # Where nothing is reduce-scattered (no fsdp axis) or nothing overlaps (the CPU), the
+  # forward and both gradients stay plain.
+  for hardware, shape in (('tpu_v5p', (8, 1, 1)), ('cpu', (8, 64, 1))):
+    d = explain(eq, (1024, 2048, 26112), (26112, 8192), 'bfloat16',
+                mesh=jax.sharding.AbstractMesh(shape, (D, F, T)), lhs_spec=ls, rhs_spec=rs,
+                out_spec=os_, hardware=hardware, gradient_rings='any_forward')
+    assert not d.decomposed and d.backward_over == (None, None), (hardware, d)
+
+
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+def test_weight_gradient_ring_beside_a_plain_forward_matches_einsum(mode):
+  # data=2 x fsdp=4: the forward is one einsum and the data gradient too; the weight
+  # gradient's partial sums travel the fsdp ring, then are summed over data.
+  mesh = _mesh(1, data=2)
+  eq, ls, rs, os_ = DOWN
+  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 8))
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='none')
+  d = dataclasses.replace(d, backward=('none', 'ring'), backward_over=(None, (F, mode)))
+  assert d.decomposed
+  f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
+  _assert_gradients_match_einsum(f, eq, x, w)
+  loss = lambda x, w: jnp.sum(f(x, w) * weights((8, 4, 8)))
+  module = hlo_text.parse(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w)
+                          .compile().as_text())
+  # 3 permutes on a ring of 4, 4 where bidirectional (the opposite block in halves); no
+  # reduce-scatter over fsdp is left to the compiler
+  assert sum(o != 0 for o in hlo_text.permute_offsets(module, mesh, F)) == \
+      3 + (mode == 'bidirectional')
+  assert not any(re.match(r'reduce.scatter', n)
+                 for n in hlo_text.collectives_over(module, mesh, F)), module
 
 
 @pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])

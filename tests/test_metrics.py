@@ -94,18 +94,22 @@ def test_parallelism_summary_counts_decisions_and_names_the_costliest(tmp_path, 
           _row('d', 'none'),  # no collective needed: nothing modeled
           {'path': 'e.moe.exchange', 'decision': 'chunked x2', 'modeled_single_us': 9.0,
            'modeled_chunked_us': 6.0}]
+  # a plain forward whose weight gradient rings (gradient_rings='any_forward'): decomposed
+  rows.insert(3, _row('f', 'none') | {'gradients': {'lhs': 'none',
+                                                    'rhs': 'bidirectional over fsdp'}})
   policy = sharding.MatmulPolicy('auto', hardware='tpu_v4')
   lines = report.summary(rows, policy, str(tmp_path / 'parallelism_report.json'),
                          costliest=2).splitlines()
-  assert lines[0] == ('parallelism: collective_matmul=auto, 2/4 dense layers decomposed, '
+  assert lines[0] == ('parallelism: collective_matmul=auto, 3/5 dense layers decomposed, '
                       '1/1 expert all-to-alls chunked (times modeled for tpu_v4)')
-  assert lines[1] == '  decisions: none 2, unidirectional 2, chunked x2 1'
+  assert lines[1] == '  decisions: none 3, unidirectional 2, chunked x2 1'
   assert lines[2] == '  costliest (modeled): c 7.0 us, e.moe.exchange 6.0 us'
   assert lines[3].endswith(f'(as a table: python -m parallelism.report {tmp_path})')
-  report.write(str(tmp_path / 'parallelism_report.json'), rows[:4], policy)
+  report.write(str(tmp_path / 'parallelism_report.json'), rows[:5], policy)
   assert report.main([str(tmp_path)]) == 0
   out = capsys.readouterr().out.splitlines()
-  assert out[0].split()[:2] == ['layer', 'einsum'] and len(out) == 2 + 4
+  assert out[0].split()[:2] == ['layer', 'einsum'] and len(out) == 2 + 5
+  assert 'none; rhs gradient bidirectional over fsdp' in out[2 + 3], out
   assert report.main([str(tmp_path / 'missing.json')]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and err.startswith('error: ') and 'missing.json' in err

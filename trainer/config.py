@@ -196,6 +196,12 @@ class Parallelism:
                                            "model's fastest form) | sharded (none whose "
                                            'accumulator holds the gradient whole over fsdp; '
                                            'for models tight on memory)')
+  gradient_rings: str = _key('ringed_forward', 'which layers\' gradients auto may ring: '
+                                               'ringed_forward (only where the forward '
+                                               'rings) | any_forward (also a weight '
+                                               "gradient beside the compiler's forward, "
+                                               "where the compiler's reduce-scatter would "
+                                               'block)')
 
 
 @dataclasses.dataclass(frozen=True)
