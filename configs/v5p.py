@@ -27,13 +27,16 @@ SLICES = {'dense_10b': 'v5p:4x4x8', 'dense_64b': 'v5p:8x8x8', 'dense_500b': 'v5p
 # v5p. MaxText's continuation-fusion flags for all-reduce (its ``CF_FOR_ALL_REDUCE``)
 # make the baselines of the 64B and ``moe_1t`` faster (some of their all-reduces run
 # asynchronously) and change neither the 500B nor the 10B; on v4 the baselines run out
-# of VMEM with them.
+# of VMEM with them. With no tensor axis, the 64B's forward einsums are the compiler's;
+# its weight gradients ring over fsdp beside them (``parallelism.gradient_rings``), as
+# the compiler's reduce-scatters of them block (docs/paper_scale.md).
 ALL_REDUCE_FLAGS = ('default --xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true '
                     '--xla_enable_async_all_reduce=true')
 LAYOUTS = {
     'dense_10b': {'batch_size': 512, 'model.remat': 'save_dot_except_qkv'},
     'dense_64b': {'mesh.data': 8, 'mesh.fsdp': 64, 'mesh.tensor': 1, 'batch_size': 1024,
-                  'model.remat': 'minimal', 'hardware.xla_flags': ALL_REDUCE_FLAGS},
+                  'model.remat': 'minimal', 'hardware.xla_flags': ALL_REDUCE_FLAGS,
+                  'parallelism.gradient_rings': 'any_forward'},
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal'},
     'moe_1t': {'batch_size': 2048, 'model.remat': 'minimal',
                'hardware.xla_flags': ALL_REDUCE_FLAGS},
