@@ -174,10 +174,11 @@ def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, 
   forward's weight gather over ``fsdp`` is the compiler's, prefetched, but the gradient's
   reduce-scatter over ``fsdp`` is synchronous; its ring sums the batch's partial products
   over ``fsdp`` block by block, and the compiler then sums its block over ``data``. Not by
-  default: the cost model counts a ring step's additions inside its einsum's time, the
-  compiled programs run them apart, and where the compiler's reduce-scatters are short the
-  rings lose (modeled, compiled: v5p ``dense_64b``, data=8 x fsdp=64, 4.383 -> 4.266 s a
-  step; ``dense_10b``, data=4 x fsdp=32, v4 1.200 -> 1.229 s, v5p 1.330 -> 1.340 s).
+  default: the cost model picks these rings where they lose, as it takes the rings' extra
+  compute for less and the compiler's reduce-scatters for more than the compiled programs
+  show (modeled, compiled: v5p ``dense_64b``, data=8 x fsdp=64, 4.383 -> 4.266 s a step;
+  ``dense_10b``, data=4 x fsdp=32, v4 1.200 -> 1.229 s, v5p 1.330 -> 1.340 s;
+  docs/paper_scale.md).
   """
   rings = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
                           wire_fp32) if enabled else (None, None)
