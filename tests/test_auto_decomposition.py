@@ -2,6 +2,8 @@
 
 import argparse
 import copy
+import dataclasses
+import importlib
 import json
 import os
 import re
@@ -51,6 +53,33 @@ def test_always_trains_like_never(tmp_path, layout):
   names = (('mlp.gate_up', 'attn.qkv') if '--config.model.fused_projections=true' in layout
            else ('mlp.gate', 'attn.q'))
   assert {f'{prefix}.{n}' for n in names + ('mlp.down', 'attn.o')} | {'unembed'} <= decomposed
+
+
+def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, monkeypatch):
+  # data=2 x fsdp=4, no tensor axis: every forward einsum is the compiler's, and under
+  # gradient_rings='any_forward' each weight gradient rings over fsdp where the cost model
+  # says it pays, which on the CPU profile it never does; here every ring is made to.
+  module = importlib.import_module('parallelism.collective_einsum')  # not the function
+  real = module._estimate
+  monkeypatch.setattr(module, '_estimate', lambda *a, **k: dataclasses.replace(
+      real(*a, **k), compute_seconds=1.0, comm_seconds=1.0,
+      seconds={'none': 2.0, 'unidirectional': 1.5, 'bidirectional': 1.1}))
+  common = ['--config.steps=5', '--config.log_every=1', '--config.eval_every=0',
+            '--config.mesh.data=2', '--config.mesh.fsdp=4', '--config.mesh.tensor=1',
+            '--config.model.scan_layers=true', '--config.model.remat=minimal',
+            '--config.parallelism.gradient_rings=any_forward']
+  losses = {}
+  for policy in ('never', 'auto'):
+    run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}', *common)
+    loop.train(run)
+    losses[policy] = _losses(run.workdir)
+  assert len(losses['auto']) == 5
+  np.testing.assert_allclose(losses['auto'], losses['never'], rtol=1e-4)
+  with open(tmp_path / 'auto' / 'parallelism_report.json') as f:
+    rows = json.load(f)['layers']
+  rings = {r['path'] for r in rows if r['decision'] == 'none' and r['gradients'] == {
+      'lhs': 'none', 'rhs': 'bidirectional over fsdp'}}
+  assert {f'blocks.*.{n}' for n in ('attn.q', 'attn.o', 'mlp.gate', 'mlp.down')} <= rings, rows
 
 
 @pytest.fixture(scope='module')
