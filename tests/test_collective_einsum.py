@@ -593,41 +593,21 @@ def test_weight_gradients_ring_over_fsdp_beside_a_plain_forward():
 
 
 @pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
-def test_weight_gradient_ring_beside_a_plain_forward_matches_einsum(mode):
-  # data=2 x fsdp=4: the forward is one einsum and the data gradient too; the weight
-  # gradient's partial sums travel the fsdp ring, then are summed over data.
-  mesh = _mesh(1, data=2)
-  eq, ls, rs, os_ = DOWN
-  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
-  w = jax.random.normal(jax.random.key(1), (16, 8))
-  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-              out_spec=os_, mode='none')
-  d = dataclasses.replace(d, backward=('none', 'ring'), backward_over=(None, (F, mode)))
-  assert d.decomposed
-  f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
-  _assert_gradients_match_einsum(f, eq, x, w)
-  loss = lambda x, w: jnp.sum(f(x, w) * weights((8, 4, 8)))
-  module = hlo_text.parse(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w)
-                          .compile().as_text())
-  # 3 permutes on a ring of 4, 4 where bidirectional (the opposite block in halves); no
-  # reduce-scatter over fsdp is left to the compiler
-  assert sum(o != 0 for o in hlo_text.permute_offsets(module, mesh, F)) == \
-      3 + (mode == 'bidirectional')
-  assert not any(re.match(r'reduce.scatter', n)
-                 for n in hlo_text.collectives_over(module, mesh, F)), module
-
-
-@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
-def test_weight_gradient_ring_over_fsdp_matches_einsum(mode):
+@pytest.mark.parametrize('forward', ['bidirectional', 'none'])
+def test_weight_gradient_ring_over_fsdp_matches_einsum(mode, forward):
   # Values and both gradients with the weight gradient's ring over fsdp (4 devices) and
-  # the forward's and data gradient's over tensor (2), against plain einsums.
-  mesh = _mesh(2, data=1)
+  # the forward's and data gradient's over tensor (2), or (forward 'none', data=2 x fsdp=4)
+  # beside a plain forward and data gradient, summed over data after the ring; against
+  # plain einsums.
+  mesh = _mesh(2, data=1) if forward != 'none' else _mesh(1, data=2)
   eq, ls, rs, os_ = DOWN
   x = jax.random.normal(jax.random.key(0), (8, 4, 16))
   w = jax.random.normal(jax.random.key(1), (16, 8))
   d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-              out_spec=os_, mode='bidirectional')
-  d = dataclasses.replace(d, backward_over=(None, (F, mode)))
+              out_spec=os_, mode=forward)
+  d = dataclasses.replace(d, backward_over=(None, (F, mode)),
+                          backward=('ring' if forward != 'none' else 'none', 'ring'))
+  assert d.decomposed
   f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
   _assert_gradients_match_einsum(f, eq, x, w)
   loss = lambda fn: lambda x, w: jnp.sum(fn(x, w) * weights((8, 4, 8)))
