@@ -128,35 +128,31 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
         Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}'),
         eq, shapes, all_specs, dtype, mesh, hardware, wire_fp32, alone)
   backward, backward_over = ('ring', 'ring'), (None, None)
-  if mode == 'auto' and estimate.best == 'none':
-    return _gradients_alone(
-        Decision(str(eq), 'none', None, chosen.kind, others, estimate,
-                 f'cost model ({estimate.hardware}) picks none' +
-                 (' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')),
-        eq, shapes, all_specs, dtype, mesh, hardware, wire_fp32, alone)
   if mode == 'auto':
     choice = estimate.best
     reason = f'cost model ({estimate.hardware}) picks {choice}' + (
         ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
+    if choice == 'none':
+      return _gradients_alone(
+          Decision(str(eq), 'none', None, chosen.kind, others, estimate, reason),
+          eq, shapes, all_specs, dtype, mesh, hardware, wire_fp32, alone)
     if choice == 'unidirectional' and (estimate.seconds['bidirectional']
                                        < estimate.seconds['unidirectional']):
       reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
                  'faster: the simpler ring)')
-    if choice != 'none':
-      rings = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                              hardware, wire_fp32, gradient_accumulators == 'sharded')
-      backward = tuple('none' if r is None else 'ring' for r in rings)
-      backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
-                            for r in rings)
-      for which, r in zip(('lhs', 'rhs'), rings):
-        if r is None:
-          reason += f'; gradient of {which} as one einsum (its ring would be slower)'
-        elif r[0] != chosen.axis:
-          reason += (f'; gradient of {which} {r[1]} over {r[0]} (the compiler\'s '
-                     f'reduce-scatter over {r[0]} would block)')
-        elif r[1] != choice:
-          reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
-                     'rings, on both link directions)')
+    rings = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
+                            hardware, wire_fp32, gradient_accumulators == 'sharded')
+    backward = tuple('none' if r is None else 'ring' for r in rings)
+    backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
+                          for r in rings)
+    for which, r in zip(('lhs', 'rhs'), rings):
+      if r is None:
+        reason += f'; gradient of {which} as one einsum (its ring would be slower)'
+      elif r[0] != chosen.axis:
+        reason += _blocking(which, r)
+      elif r[1] != choice:
+        reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
+                   'rings, on both link directions)')
   else:
     choice, reason = mode, f'mode="{mode}"'
   return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,
@@ -184,16 +180,20 @@ def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, 
                           wire_fp32) if enabled else (None, None)
   if not any(rings):
     return plain
-  reason = plain.reason + ''.join(
-      f'; gradient of {which} {r[1]} over {r[0]} (the compiler\'s reduce-scatter over '
-      f'{r[0]} would block)' for which, r in zip(('lhs', 'rhs'), rings) if r)
+  reason = plain.reason + ''.join(_blocking(w, r) for w, r in zip(('lhs', 'rhs'), rings) if r)
   return dataclasses.replace(plain, reason=reason, backward_over=rings,
                              backward=tuple('ring' if r else 'none' for r in rings))
 
 
+def _blocking(which: str, ring: tuple[str, str]) -> str:
+  """The reason's words for gradient ``which`` on a ring over another axis than the
+  forward's."""
+  return (f'; gradient of {which} {ring[1]} over {ring[0]} (the compiler\'s reduce-scatter '
+          f'over {ring[0]} would block)')
+
+
 def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
-                    mesh, hardware,
-                    wire_fp32, sharded: bool = False
+                    mesh, hardware, wire_fp32, sharded: bool = False
                     ) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum.
 

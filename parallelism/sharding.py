@@ -120,7 +120,7 @@ class MatmulPolicy:
   hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
   ring_dtype: str = 'compute'           # rings' partial sums (wire, between steps): compute | float32
   gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
-  gradient_rings: str = 'ringed_forward'  # ringed_forward | any_forward (collective_einsum.GRADIENT_RINGS)
+  gradient_rings: str = 'ringed_forward'  # ringed_forward | any_forward (GRADIENT_RINGS)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
