@@ -50,6 +50,8 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.optimizer.decay_fraction=1.5'], 'optimizer.decay_fraction=1.5 is not in [0, 1]'),
     (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
     (['--config.parallelism.unroll=0'], 'parallelism.unroll=0 must be an integer of at least 1'),
+    (['--config.parallelism.gradient_rings=all'],
+     "parallelism.gradient_rings='all' is not one of ('ringed_forward', 'any_forward')"),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),
     (['--bogus'], 'unrecognized argument: --bogus'),
     (['--config.hardware.xla_flags=default xla_foo=1'],
