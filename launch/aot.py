@@ -62,6 +62,8 @@ from jax.experimental import topologies
 from launch import search
 from models.transformer import count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding, step_model
+from parallelism.collective_einsum import SCOPE as RING_SCOPE
+from parallelism.ring import ADDITIONS_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
 from trainer.state import abstract_model, model_for_mesh
@@ -328,6 +330,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'collectives': model['collectives'], 'rings': ring_terms(pairs),
           'exposed_off_rings': exposed_off_rings(model['exposed_by']),
           'costliest_non_matmul': costliest_non_matmul(model['non_matmul_by_op']),
+          'additions_by_ring': additions_by_ring(model['non_matmul_by_op']),
           'warnings': model['warnings']}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
@@ -388,6 +391,21 @@ def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
         f"{where}{' ring' if 'collective_einsum' in op_name else ''}: {what}"
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
+
+
+def additions_by_ring(by_op: dict) -> dict:
+  """The compute term ``ring: partial-sum additions`` split by ring, in modeled seconds per
+  step: each decomposed einsum's additions of partial sums that run as passes of their own
+  (those the compiler fused into an einsum count as its matmul), keyed by its layer (and
+  pass), equation, collective and direction; most first. They sum to the term."""
+  out = {}
+  for op_name, seconds in by_op.items():
+    m = re.search(rf'/{RING_SCOPE}/(\w+)/(\w+)/([^/]+)/', op_name)
+    if not m or f'/{ADDITIONS_SCOPE}/' not in op_name:
+      continue
+    label = f'{_layer(op_name)}: {m.group(3)} ({m.group(1)}, {m.group(2)})'
+    out[label] = out.get(label, 0.0) + seconds
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _origin(op_name: str, what: str) -> str:
@@ -463,14 +481,17 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
     lines += [f"  {name:{w}s} " + ', '.join(f'{term} {sec:.3f}' for term, sec in
                                          m.get('compute_terms', {}).items() if sec)
               for name, m in s['modeled'].items()]
-    lines += ['', 'costliest non-matmul work (s; by layer and operation, ring: a decomposed '
-                  "einsum's own):"]
-    lines += [f"  {name:{w}s} " + ('; '.join(f'{k} {sec:.3f}' for k, sec in list(
-        m.get('costliest_non_matmul', {}).items())[:4]) or '-') for name, m in s['modeled'].items()]
-    lines += ['', 'modeled exposed communication off the rings (s; the collectives the chip '
-                  'waited for, besides the rings\' collective-permutes, by where they come from):']
-    lines += [f"  {name:{w}s} " + ('; '.join(f'{k} {sec:.3f}' for k, sec in list(
-        m.get('exposed_off_rings', {}).items())[:4]) or '-') for name, m in s['modeled'].items()]
+    for key, title in (
+        ('costliest_non_matmul', "costliest non-matmul work (s; by layer and operation, ring: "
+                                 "a decomposed einsum's own):"),
+        ('additions_by_ring', "rings' additions of partial sums, by einsum (s; those run as "
+                              "passes of their own):"),
+        ('exposed_off_rings', "modeled exposed communication off the rings (s; the collectives "
+                              "the chip waited for, besides the rings' collective-permutes, by "
+                              "where they come from):")):
+      lines += ['', title] + [f"  {name:{w}s} " + ('; '.join(
+          f'{k} {sec:.3f}' for k, sec in list(m.get(key, {}).items())[:4]) or '-')
+                              for name, m in s['modeled'].items()]
     lines.append(f'  step model calibration: {step_model.calibration_summary()} '
                  '(docs/calibration.md)')
   p = s['paper']

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from launch import aot
+from parallelism import step_model
 from tests.conftest import ROOT
 
 DENSE_10B = os.path.join(ROOT, 'configs', 'dense_10b.py')
@@ -107,6 +108,28 @@ def test_costliest_non_matmul_groups_by_layer_and_operation():
       'reduce_and': 0.015}
 
 
+def test_additions_by_ring_split_the_additions_term_by_einsum():
+  bwd = 'jit(train_step)/transpose(jvp())/while/body/closed_call/checkpoint'
+  ring = lambda layer, eq, kind='reducescatter': (
+      f'{bwd}/blocks.*.{layer}/collective_einsum/{kind}/bidirectional/{eq}/shard_map')
+  by_op = {f"{ring('mlp.down', 'btf,btd->fd')}/while/body/partial_sums/add": 0.2,
+           f"{ring('mlp.down', 'btf,btd->fd')}/partial_sums/convert_element_type": 0.05,
+           f"{ring('mlp.gate_up', 'btsf,sdf->btd')}/partial_sums/add": 0.1,
+           f"{ring('attn.o', 'btnh,btd->nhd', 'allgather_contracting')}/partial_sums/add": 0.3,
+           f"{ring('mlp.down', 'btf,btd->fd')}/dynamic_update_slice": 0.4,  # no addition
+           f'{bwd}/partial_sums/add': 0.5}  # no ring
+  terms = {}
+  for op_name, seconds in by_op.items():
+    for term, s in step_model.compute_terms(op_name, 0.0, seconds):
+      terms[term] = terms.get(term, 0.0) + s
+  got = aot.additions_by_ring(by_op)
+  assert got == {
+      'blocks.*.attn.o (bwd): btnh,btd->nhd (allgather_contracting, bidirectional)': 0.3,
+      'blocks.*.mlp.down (bwd): btf,btd->fd (reducescatter, bidirectional)': 0.25,
+      'blocks.*.mlp.gate_up (bwd): btsf,sdf->btd (reducescatter, bidirectional)': 0.1}
+  assert sum(got.values()) == pytest.approx(terms['ring: partial-sum additions'])
+
+
 @needs_libtpu
 def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
   """baseline and ours, each in its own process, through the command users run; with the
@@ -145,6 +168,9 @@ def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
   assert terms['ours']['ring: matmul at MXU rate'] > 0
   # o's and down's reduce-scatter rings add partial sums, named apart from other ring work
   assert terms['ours']['ring: partial-sum additions'] > 0
+  by_ring = s['modeled']['ours']['additions_by_ring']
+  assert sum(by_ring.values()) == pytest.approx(terms['ours']['ring: partial-sum additions'])
+  assert s['modeled']['baseline']['additions_by_ring'] == {}
   assert not any(t.startswith('ring:') and v for t, v in terms['baseline'].items())
   for name in ('baseline', 'ours'):
     assert sum(terms[name].values()) == pytest.approx(s['modeled'][name]['compute_seconds'])
