@@ -396,14 +396,17 @@ def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
 def additions_by_ring(by_op: dict) -> dict:
   """The compute term ``ring: partial-sum additions`` split by ring, in modeled seconds per
   step: each decomposed einsum's additions of partial sums that run as passes of their own
-  (those the compiler fused into an einsum count as its matmul), keyed by its layer (and
-  pass), equation, collective and direction; most first. They sum to the term."""
+  (those the compiler fused into an einsum count as its matmul), keyed by the einsum's name
+  (the scope just outside the ring's: ``blocks.*.1.moe.gate``, not the ``moe.exchange``
+  around it), pass, equation, collective and direction; most first. They sum to the term."""
   out = {}
   for op_name, seconds in by_op.items():
-    m = re.search(rf'/{RING_SCOPE}/(\w+)/(\w+)/([^/]+)/', op_name)
+    m = re.search(rf'([^/]+)/{RING_SCOPE}/(\w+)/(\w+)/([^/]+)/', op_name)
     if not m or f'/{ADDITIONS_SCOPE}/' not in op_name:
       continue
-    label = f'{_layer(op_name)}: {m.group(3)} ({m.group(1)}, {m.group(2)})'
+    name, kind, direction, equation = m.groups()
+    label = (f"{name}{' (bwd)' if 'transpose(' in op_name else ''}: {equation} "
+             f'({kind}, {direction})')
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 

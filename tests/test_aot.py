@@ -117,7 +117,10 @@ def test_additions_by_ring_split_the_additions_term_by_einsum():
            f"{ring('mlp.gate_up', 'btsf,sdf->btd')}/partial_sums/add": 0.1,
            f"{ring('attn.o', 'btnh,btd->nhd', 'allgather_contracting')}/partial_sums/add": 0.3,
            f"{ring('mlp.down', 'btf,btd->fd')}/dynamic_update_slice": 0.4,  # no addition
-           f'{bwd}/partial_sums/add': 0.5}  # no ring
+           f'{bwd}/partial_sums/add': 0.5,  # no ring
+           # an expert projection's ring inside the MoE block's scope: named by the former
+           f'{bwd}/blocks.*.1.moe.exchange/moe_chunk0/blocks.*.1.moe.up/collective_einsum/'
+           'reducescatter/bidirectional/ebcf,efd->ebcd/shard_map/partial_sums/add': 0.15}
   terms = {}
   for op_name, seconds in by_op.items():
     for term, s in step_model.compute_terms(op_name, 0.0, seconds):
@@ -126,6 +129,7 @@ def test_additions_by_ring_split_the_additions_term_by_einsum():
   assert got == {
       'blocks.*.attn.o (bwd): btnh,btd->nhd (allgather_contracting, bidirectional)': 0.3,
       'blocks.*.mlp.down (bwd): btf,btd->fd (reducescatter, bidirectional)': 0.25,
+      'blocks.*.1.moe.up (bwd): ebcf,efd->ebcd (reducescatter, bidirectional)': 0.15,
       'blocks.*.mlp.gate_up (bwd): btsf,sdf->btd (reducescatter, bidirectional)': 0.1}
   assert sum(got.values()) == pytest.approx(terms['ring: partial-sum additions'])
 
