@@ -62,8 +62,7 @@ from jax.experimental import topologies
 from launch import search
 from models.transformer import count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding, step_model
-from parallelism.collective_einsum import SCOPE as RING_SCOPE
-from parallelism.ring import ADDITIONS_SCOPE
+from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
 from trainer.state import abstract_model, model_for_mesh
@@ -315,7 +314,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
                if p['kind'] == 'collective-permute']
       v['permute_pairs'] = {
           'count': len(pairs),
-          'from_collective_einsum': sum('collective_einsum' in p['op_name'] for p in pairs),
+          'from_collective_einsum': sum(RING_SCOPE in p['op_name'] for p in pairs),
           'with_einsum_between': sum(bool(p['einsums_between']) for p in pairs),
           'pairs': pairs}
       step = model['step_seconds']
@@ -352,7 +351,7 @@ def ring_terms(pairs: list[dict]) -> dict:
   exposed first."""
   out = {}
   for p in pairs:
-    if 'collective_einsum' not in p['op_name']:
+    if RING_SCOPE not in p['op_name']:
       continue
     row = out.setdefault(p['layer'], dict.fromkeys(('transfer', 'compute_between',
                                                     'exposed'), 0.0))
@@ -370,7 +369,7 @@ def exposed_off_rings(exposed_by: dict, top: int = 8) -> dict:
   out = {}
   for key, seconds in exposed_by.items():
     kind, op_name = step_model.split_exposed_key(key)
-    if kind.startswith('collective-permute') and 'collective_einsum' in op_name:
+    if kind.startswith('collective-permute') and RING_SCOPE in op_name:
       continue
     label = f"{kind}: {_origin(op_name, op_name.rsplit('/', 1)[-1])}"
     out[label] = out.get(label, 0.0) + seconds
@@ -388,7 +387,7 @@ def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
     what = '/'.join(parts[-2:]) if len(parts) > 2 and parts[-2].startswith('jit(') else parts[-1]
     where = _layer(op_name)
     label = _origin(op_name, what) if where == '-' else \
-        f"{where}{' ring' if 'collective_einsum' in op_name else ''}: {what}"
+        f"{where}{' ring' if RING_SCOPE in op_name else ''}: {what}"
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 

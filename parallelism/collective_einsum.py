@@ -43,7 +43,7 @@ GRADIENT_RINGS = ('ringed_forward', 'any_forward')
 # The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
 WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
-SCOPE = 'collective_einsum'
+SCOPE = ring.RING_SCOPE
 
 
 @dataclasses.dataclass(frozen=True)

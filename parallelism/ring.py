@@ -27,6 +27,9 @@ import jax.extend
 import jax.numpy as jnp
 from jax.interpreters import mlir
 
+# The named scope of every decomposed einsum (``collective_einsum``), which the step model
+# and ``launch.aot`` read from op_names to tell a ring's instructions from the compiler's.
+RING_SCOPE = 'collective_einsum'
 # The named scope of every addition of partial sums (``sum_rounded``): the step model
 # reads it from the compiled program's op_names to cost those additions apart from the
 # rest of a ring's non-matmul work (``step_model.compute_terms``).

@@ -91,7 +91,7 @@ from typing import Sequence
 import numpy as np
 
 from parallelism import hardware
-from parallelism.ring import ADDITIONS_SCOPE
+from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from parallelism.hlo_text import (Instr, Module, first_group, parse, shape_bytes,
                                   shape_dims, source_target_pairs, tuple_element)
 
@@ -775,7 +775,7 @@ def compute_terms(op_name: str, mxu_seconds: float, seconds: float) -> list[tupl
   instruction with no matmul (elementwise work, copies, reductions, updates), where a
   ring's additions of partial sums (op_name under ``ring.ADDITIONS_SCOPE``) are a term of
   their own."""
-  where = 'ring' if 'collective_einsum' in op_name else 'plain'
+  where = 'ring' if RING_SCOPE in op_name else 'plain'
   if not mxu_seconds:
     adds = where == 'ring' and f'/{ADDITIONS_SCOPE}/' in op_name
     return [(term_key(where, ADDITIONS if adds else NON_MATMUL), seconds)]
