@@ -16,9 +16,10 @@ overlapped with the FSDP weight gathers, plus what the compiler leaves exposed:
 the gradients' reduce-scatter, tensor-parallel activation transfers and the
 data-parallel all-reduce) and the best ``--max_compiles`` are compiled, each
 variant in its own process as ``launch.aot`` does (a 500B search with the
-defaults, 18 compiles, took about 15 minutes on a 2-core machine). Prints progress, then one table (layout,
-estimated and compiled GiB per chip, fit, modeled MFU of each variant) and the
-best layout per variant. Everything but the compiler's memory figures is modeled.
+defaults, 18 compiles, took about 15 minutes on a 2-core machine). Prints
+progress, then one table (layout, estimated and compiled GiB per chip, fit,
+modeled MFU of each variant) and the best layout per variant. Everything but the
+compiler's memory figures is modeled.
 ``--max_compiles 0`` compiles nothing (and needs no libtpu): it prints every
 surviving layout in rank order with its estimates, to choose how many to compile.
 
