@@ -43,6 +43,7 @@ import dataclasses
 import itertools
 import math
 import sys
+import time
 
 from models.transformer import count_params
 from parallelism import hardware, step_model
@@ -213,12 +214,14 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   chosen = kept[:args.max_compiles]
   progress(f'{passed}; compiling the best {len(chosen)} by analytical MFU, '
            f'{len(variants)} variant(s) each')
-  rows = []
+  rows, start = [], time.perf_counter()
   for i, (layout, estimate, mfu) in enumerate(chosen):
     progress(f'[{i + 1}/{len(chosen)}] {layout} (estimated {estimate / 2**30:.1f} GiB, '
              f'analytical MFU {mfu:.1%})')
     summary = compile_layout(layout.overrides)
     rows.append((layout, estimate, mfu, summary))
+  progress(f'compiled {len(chosen)} layout(s) x {len(variants)} variant(s) in '
+           f'{time.perf_counter() - start:.0f} s')
   print(table(rows, variants))
   return 0
 

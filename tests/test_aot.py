@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -253,4 +254,5 @@ def test_search_compiles_the_best_layouts_and_names_the_best():
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'layouts in the grid' in proc.stderr and '[1/1] data=' in proc.stderr
+  assert re.search(r'compiled 1 layout\(s\) x 1 variant\(s\) in \d+ s', proc.stderr)
   assert 'baseline MFU' in proc.stdout and 'best for baseline: data=' in proc.stdout
