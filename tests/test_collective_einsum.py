@@ -614,9 +614,11 @@ def test_weight_gradient_ring_over_fsdp_matches_einsum(mode, forward):
   # The gradient's partial sums travel the fsdp ring (3 permutes on a ring of 4, 4 where
   # bidirectional: the opposite block's in halves) instead of a reduce-scatter or
   # all-reduce over fsdp after the einsum.
-  ring = lambda x, w: run_decision(dataclasses.replace(d, backward_over=(None, None)), x, w,
-                                   mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
-  for fn, permutes, reduced in ((f, 3 + (mode == 'bidirectional'), False), (ring, 0, True)):
+  no_fsdp_ring = lambda x, w: run_decision(
+      dataclasses.replace(d, backward_over=(None, None)), x, w, mesh=mesh, lhs_spec=ls,
+      rhs_spec=rs, out_spec=os_)
+  for fn, permutes, reduced in ((f, 3 + (mode == 'bidirectional'), False),
+                                (no_fsdp_ring, 0, True)):
     module = hlo_text.parse(jax.jit(jax.grad(loss(fn), argnums=(0, 1))).lower(x, w)
                             .compile().as_text())
     assert sum(o != 0 for o in hlo_text.permute_offsets(module, mesh, F)) == permutes
