@@ -65,6 +65,10 @@ class Decision:
   # sums would block the chip) or in another mode (a weight gradient's ring bidirectional
   # beside a unidirectional forward): ``_backward_forms``.
   backward_over: tuple[tuple[str, str] | None, tuple[str, str] | None] = (None, None)
+  # Each gradient's (lhs, rhs) forms under auto, with the modeled seconds that chose
+  # between them (``_backward_forms``): 'one einsum' or 'MODE over AXIS', each with the
+  # compiler's collectives over the axes it leaves, and "compiler's collective over AXIS".
+  gradient_seconds: tuple[dict[str, float], dict[str, float]] = ({}, {})
 
   @property
   def decomposed(self) -> bool:
@@ -140,8 +144,8 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
                                        < estimate.seconds['unidirectional']):
       reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
                  'faster: the simpler ring)')
-    rings = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                            hardware, wire_fp32, gradient_accumulators == 'sharded')
+    rings, seconds = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
+                                     hardware, wire_fp32, gradient_accumulators == 'sharded')
     backward = tuple('none' if r is None else 'ring' for r in rings)
     backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
                           for r in rings)
@@ -153,10 +157,10 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
       elif r[1] != choice:
         reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
                    'rings, on both link directions)')
-  else:
-    choice, reason = mode, f'mode="{mode}"'
-  return Decision(str(eq), choice, None if choice == 'none' else chosen.axis, chosen.kind,
-                  others, estimate, reason, backward, backward_over)
+    return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason,
+                    backward, backward_over, seconds)
+  choice, reason = mode, f'mode="{mode}"'
+  return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason)
 
 
 def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
@@ -171,17 +175,18 @@ def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, 
   reduce-scatter over ``fsdp`` is synchronous; its ring sums the batch's partial products
   over ``fsdp`` block by block, and the compiler then sums its block over ``data``. Not by
   default: the cost model picks these rings where they lose, as it takes the rings' extra
-  compute for less and the compiler's reduce-scatters for more than the compiled programs
-  show (modeled, compiled: v5p ``dense_64b``, data=8 x fsdp=64, 4.383 -> 4.266 s a step;
-  ``dense_10b``, data=4 x fsdp=32, v4 1.200 -> 1.229 s, v5p 1.330 -> 1.340 s;
-  docs/paper_scale.md).
+  compute for less than the compiled programs show (modeled, compiled: v5p ``dense_64b``,
+  data=8 x fsdp=64, 4.383 -> 4.266 s a step; ``dense_10b``, data=4 x fsdp=32, v4 1.200 ->
+  1.229 s, v5p 1.330 -> 1.340 s; docs/paper_scale.md).
   """
-  rings = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
-                          wire_fp32) if enabled else (None, None)
-  if not any(rings):
+  if not enabled:
     return plain
+  rings, seconds = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
+                                   wire_fp32)
+  if not any(rings):
+    return dataclasses.replace(plain, gradient_seconds=seconds)
   reason = plain.reason + ''.join(_blocking(w, r) for w, r in zip(('lhs', 'rhs'), rings) if r)
-  return dataclasses.replace(plain, reason=reason, backward_over=rings,
+  return dataclasses.replace(plain, reason=reason, backward_over=rings, gradient_seconds=seconds,
                              backward=tuple('ring' if r else 'none' for r in rings))
 
 
@@ -193,9 +198,9 @@ def _blocking(which: str, ring: tuple[str, str]) -> str:
 
 
 def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
-                    mesh, hardware, wire_fp32, sharded: bool = False
-                    ) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
-  """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum.
+                    mesh, hardware, wire_fp32, sharded: bool = False):
+  """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; and
+  the modeled seconds of each one's forms (``Decision.gradient_seconds``).
 
   The candidates are one einsum, the ring over the forward's ``axis`` (in its ``mode``)
   and a ring over any other axis over which the gradient einsum reduce-scatters (a weight
@@ -237,8 +242,9 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
                         (out_shape, shapes[1])),
                 'rhs': (f'{eq.lhs},{eq.out}->{eq.rhs}', (lhs_spec, out_spec, rhs_spec),
                         (shapes[0], out_shape))}
-  rings = []
+  rings, seconds = [], []
   for which, (equation, t_specs, t_shapes) in transposed.items():
+    seconds.append({})
     t_eq, plans = einsum_plan.plan(equation, *t_specs)
     plan = next((p for p in plans if p.axis == axis), None) if axis else None
     if axis and (plan is None or plan.kind not in DECOMPOSABLE):
@@ -268,7 +274,9 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
     plain = est[candidates[0].axis].compute_seconds + sum(compiler.values())
     best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
     rings.append(best if best and total[best] <= plain else None)
-  return tuple(rings)
+    seconds[-1] = {'one einsum': plain, **{f'{m} over {a}': s for (a, m), s in total.items()},
+                   **{f"compiler's collective over {a}": s for a, s in compiler.items()}}
+  return tuple(rings), tuple(seconds)
 
 
 def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,

@@ -43,6 +43,8 @@ def rows(plan: Mapping[str, Any]) -> list[dict]:
         'gradients': {w: d.gradient(k) for k, w in enumerate(('lhs', 'rhs'))}
                       if d.decomposed else None,
         'modeled_seconds': est and est.seconds,
+        'modeled_gradient_seconds': {w: d.gradient_seconds[k] for k, w in
+                                     enumerate(('lhs', 'rhs')) if d.gradient_seconds[k]},
     })
   return out
 

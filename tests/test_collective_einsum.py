@@ -550,10 +550,11 @@ DOWN = ('btf,fd->btd', P(B, None, T), P(T, F), P(B, T, None))  # mlp.down, tenso
 
 def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   # 500B's mlp.down on v4 (fsdp=128 x tensor=8): the weight gradient's partial sums over
-  # the batch leave as a compiler reduce-scatter over fsdp, which blocks the chip (3.7 ms
-  # a layer, modeled); a bidirectional ring over fsdp computes one 2 x 160-row block of
-  # the gradient per round while the last round's accumulators travel. The forward keeps
-  # its ring over tensor, and so does the data gradient.
+  # the batch leave as a compiler reduce-scatter over fsdp, which blocks the chip (3.8 ms
+  # a layer, modeled over one torus dimension: this abstract mesh has no coordinates; 1.9
+  # ms over the slice's 8 x 16); a bidirectional ring over fsdp computes one 2 x 160-row
+  # block of the gradient per round while the last round's accumulators travel. The
+  # forward keeps its ring over tensor, and so does the data gradient.
   mesh = jax.sharding.AbstractMesh((1, 128, 8), (D, F, T))
   eq, ls, rs, os_ = DOWN
   d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
@@ -561,6 +562,16 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   assert d.axis == T and d.collective == 'reducescatter', d
   assert d.backward == ('ring', 'ring') and d.backward_over == (None, (F, 'bidirectional'))
   assert d.gradient(1) == 'bidirectional over fsdp' and 'rhs bidirectional over fsdp' in d.reason
+  # The report's modeled forms of each gradient: the chosen one costs least; each form
+  # carries the compiler's collectives over the axes it does not ring.
+  forms = d.gradient_seconds[1]
+  compiler = lambda a: forms[f"compiler's collective over {a}"]
+  assert compiler(F) == pytest.approx(3.8e-3, rel=0.01)
+  assert forms['bidirectional over fsdp'] < min(forms['bidirectional over tensor'],
+                                                forms['one einsum'])
+  assert forms['one einsum'] > compiler(F) + compiler(T)  # its einsum, then both
+  assert set(d.gradient_seconds[0]) == {'one einsum', 'unidirectional over tensor',
+                                        "compiler's collective over tensor"}
   # 64B's mlp.gate_up (fsdp=64 x tensor=8, 16,384 tokens a tensor group): the ring over
   # fsdp would leave x's gather over tensor to the compiler, which prefetches it, but its
   # transfer holds the tensor links the data gradient's ring needs (compiled, the ring
