@@ -24,10 +24,9 @@ For the decomposed axis of size N, per device:
   operand's local block (all-gathers) or a partial-sum block of the output in
   the accumulation dtype (reduce-scatter).
 * The compiler's own collective: the step model's formula for a collective
-  (``step_model.ring_collective_seconds``: both directions of the ring in every torus
-  dimension the axis spans, read from the mesh's devices' coordinates; one dimension where
-  they have none), ``T_comm = (N-1) (t - latency) / 2 + ceil((N-1)/2) latency`` over one
-  dimension; over two (``fsdp`` = 8 x 16 on v4:8x8x16) twice the links carry it.
+  (``step_model.ring_collective_seconds``: both directions of the ring, the axis
+  taken as one torus dimension), ``T_comm = (N-1) (t - latency) / 2 +
+  ceil((N-1)/2) latency``.
 
 Predicted times (all modeled, not measured):
 
@@ -64,7 +63,7 @@ import math
 
 import jax.numpy as jnp
 
-from parallelism import hardware as hw, mesh as mesh_lib, step_model
+from parallelism import hardware as hw, step_model
 from parallelism.einsum_plan import AxisPlan, Equation
 
 DEFAULT_HARDWARE = 'cpu'
@@ -137,8 +136,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   t = block / (link * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
   rounds = math.ceil((n - 1) / 2)
-  extents = step_model.span(range(n), mesh_lib.axis_coords(mesh, plan.axis))
-  t_comm = step_model.ring_collective_seconds(n * block, extents, link, profile.ring_links, lat)
+  t_comm = step_model.ring_collective_seconds(n * block, [n], link, profile.ring_links, lat)
   if profile.async_collectives:
     uni = c + (n - 1) * (max(c, t) + lat)
     bi = c + rounds * (max(c2, t) + lat)

@@ -72,17 +72,3 @@ def make_mesh(mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> jax
 
 def describe(mesh: jax.sharding.Mesh) -> str:
   return ' x '.join(f'{name}={size}' for name, size in mesh.shape.items())
-
-
-def axis_coords(mesh, axis: str) -> list[tuple[int, ...]] | None:
-  """Physical coordinates of the devices along ``axis`` (the other axes at index 0), in
-  mesh order, or None where devices have none (CPU devices, an abstract mesh): the torus
-  dimensions a collective over ``axis`` spans (``step_model.span``)."""
-  try:
-    devices = mesh.devices
-  except ValueError:  # an AbstractMesh has no devices
-    return None
-  if not hasattr(devices.flat[0], 'coords'):
-    return None
-  index = tuple(slice(None) if a == axis else 0 for a in mesh.axis_names)
-  return [tuple(d.coords) for d in devices[index]]

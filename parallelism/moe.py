@@ -20,7 +20,7 @@ peak:
 
 * one all-to-all: ``a``, the step model's formula for a collective
   (``step_model.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
-  every torus dimension the expert axis spans, plus its latency);
+  the ring, the expert axis taken as one torus dimension, plus its latency);
 * ``single``: ``2a + T_c``;
 * ``chunked`` with C chunks, asynchronous all-to-alls (``async_all_to_all`` in
   the hardware table: GPUs; the TPU compiler blocks on them): a three-stage pipeline
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallelism import hardware as hw, mesh as mesh_lib, step_model
+from parallelism import hardware as hw, step_model
 from parallelism.cost_model import CPU_NOMINAL_FLOPS
 from parallelism.einsum_plan import axes_of
 
@@ -56,17 +56,15 @@ class ExchangeDecision:
 
 
 def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: int,
-             chunks: int, hardware: str, shards: int | None = None,
-             extents=None) -> dict[str, float]:
+             chunks: int, hardware: str, shards: int | None = None) -> dict[str, float]:
   """Modeled seconds of ``single`` and ``chunked`` (see the module docstring).
 
   ``shards``: how many blocks the dispatched tokens are split into (default
-  ``devices``; fewer where devices hold the same tokens). ``extents``: the torus
-  dimensions the expert axis spans (``step_model.span``; default one of ``n`` chips).
+  ``devices``; fewer where devices hold the same tokens).
   """
   profile = hw.get_profile(hardware)
   a = step_model.ring_collective_seconds(
-      math.prod(shape_becd) * itemsize / (shards or devices), extents or [n],
+      math.prod(shape_becd) * itemsize / (shards or devices), [n],
       profile.link_bandwidth * step_model.LINK_EFFICIENCY, profile.ring_links,
       profile.step_latency)
   t_c = expert_flops / devices / (profile.peak_flops or CPU_NOMINAL_FLOPS)
@@ -94,9 +92,8 @@ def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: st
   chunk_shape = lambda k: (e, b, c // k, d)
   size = lambda entry: math.prod(mesh.shape[a] for a in axes_of(entry))
   shards = math.prod(size(entry) for entry in dispatched) if len(dispatched) else None
-  extents = step_model.span(range(n), mesh_lib.axis_coords(mesh, axis)) if axis else None
   seconds = estimate(shape_becd, itemsize, expert_flops, mesh.size, n, chunks, hardware,
-                     shards, extents)
+                     shards)
   if n == 1:
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
                             'no expert parallelism: no all-to-all')

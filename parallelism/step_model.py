@@ -388,9 +388,8 @@ def channel(ins: Instr | None) -> str | None:
 
 
 
-def span(group: Sequence[int], coords) -> list[int]:
-  """Extents of the group along each torus dimension it spans (the group as one dimension
-  without ``coords``)."""
+def _span(group: Sequence[int], coords) -> list[int]:
+  """Extents of the group along each torus dimension it spans."""
   if coords is None or len(group) < 2:
     return [len(group)] if len(group) > 1 else []
   points = np.array([coords[d] for d in group])
@@ -444,7 +443,7 @@ def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: 
     return 0.0
   moved = {'all-gather': out_bytes if not ins.opcode.endswith('-start') else g * in_bytes,
            'reduce-scatter': in_bytes, 'all-reduce': 2 * in_bytes}.get(kind, in_bytes)
-  return ring_collective_seconds(moved, span(group, coords), chip.link_rate, chip.ring_links,
+  return ring_collective_seconds(moved, _span(group, coords), chip.link_rate, chip.ring_links,
                                  chip.step_latency)
 
 

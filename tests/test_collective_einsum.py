@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import re
-import types
 
 import jax
 import jax.extend
@@ -13,8 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallelism import cost_model, einsum_plan, hardware, hlo_text, mesh as mesh_lib
-from parallelism import step_model
+from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib
 from parallelism import ring as ring_lib
 from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
                                           explain, keeps_cotangent, local_elements,
@@ -402,38 +400,6 @@ def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
   lat = 2e-6
   assert (est(True).step_transfer_seconds - lat) == pytest.approx(
       2 * (est(False).step_transfer_seconds - lat))
-
-
-def test_cost_model_prices_the_compilers_collective_over_every_torus_dimension_it_spans():
-  # tensor = 8 chips as a 4 x 2 patch of the torus instead of a line of 8: the compiler's
-  # reduce-scatter of the bf16 output runs over both directions of both dimensions (the
-  # step model's formula), about half the time; the rings, neighbour to neighbour, are
-  # unchanged.
-  eq, plans = einsum_plan.plan('bf,fd->bd', P(None, T), P(T, None), P(None, T))
-  plan = next(p for p in plans if p.axis == T)
-  sizes = dict(zip(mesh_lib.AXES, (1, 1, 8, 1)))
-
-  def mesh(coords):
-    devices = np.array([types.SimpleNamespace(coords=c) for c in coords])
-    return types.SimpleNamespace(shape=sizes, axis_names=mesh_lib.AXES,
-                                 devices=devices.reshape(tuple(sizes.values())))
-  line = mesh([(i, 0, 0) for i in range(8)])
-  patch = mesh([(i % 4, i // 4, 0) for i in range(8)])
-  assert step_model.span(range(8), mesh_lib.axis_coords(line, T)) == [8]
-  assert step_model.span(range(8), mesh_lib.axis_coords(patch, T)) == [4, 2]
-  line, patch = (cost_model.estimate(eq, plan, (4096, 4096), (4096, 4096), 'bfloat16', m,
-                                     'tpu_v4') for m in (line, patch))
-  v4 = hardware.get_profile('tpu_v4')
-  compiler = lambda extents: step_model.ring_collective_seconds(
-      4096 * 4096 * 2, extents, v4.link_bandwidth * step_model.LINK_EFFICIENCY,
-      v4.ring_links, v4.step_latency)
-  assert line.comm_seconds == pytest.approx(compiler([8]))
-  assert patch.comm_seconds == pytest.approx(compiler([4, 2]))
-  assert patch.comm_seconds < 0.55 * line.comm_seconds
-  assert patch.seconds['unidirectional'] == line.seconds['unidirectional']
-  # devices without coordinates (these CPU ones): the axis as one torus dimension
-  assert cost_model.estimate(eq, plan, (4096, 4096), (4096, 4096), 'bfloat16', _mesh(8, 1),
-                             'tpu_v4').comm_seconds == pytest.approx(compiler([8]))
 
 
 def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
