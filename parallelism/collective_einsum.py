@@ -175,9 +175,10 @@ def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, 
   reduce-scatter over ``fsdp`` is synchronous; its ring sums the batch's partial products
   over ``fsdp`` block by block, and the compiler then sums its block over ``data``. Not by
   default: the cost model picks these rings where they lose, as it takes the rings' extra
-  compute for less than the compiled programs show (modeled, compiled: v5p ``dense_64b``,
-  data=8 x fsdp=64, 4.383 -> 4.266 s a step; ``dense_10b``, data=4 x fsdp=32, v4 1.200 ->
-  1.229 s, v5p 1.330 -> 1.340 s; docs/paper_scale.md).
+  compute for less and the compiler's reduce-scatters for more than the compiled programs
+  show (modeled, compiled: v5p ``dense_64b``, data=8 x fsdp=64, 4.383 -> 4.266 s a step;
+  ``dense_10b``, data=4 x fsdp=32, v4 1.200 -> 1.229 s, v5p 1.330 -> 1.340 s;
+  docs/paper_scale.md).
   """
   if not enabled:
     return plain

@@ -26,7 +26,9 @@ For the decomposed axis of size N, per device:
 * The compiler's own collective: the step model's formula for a collective
   (``step_model.ring_collective_seconds``: both directions of the ring, the axis
   taken as one torus dimension), ``T_comm = (N-1) (t - latency) / 2 +
-  ceil((N-1)/2) latency``.
+  ceil((N-1)/2) latency``. Over an axis spanning two dimensions (``fsdp`` = 8 x 16) the
+  step model charges the compiled collective half that; priced so, two 500B decisions
+  moved and compiled slower (docs/paper_scale.md), so the one-dimension price stays.
 
 Predicted times (all modeled, not measured):
 

@@ -517,10 +517,9 @@ DOWN = ('btf,fd->btd', P(B, None, T), P(T, F), P(B, T, None))  # mlp.down, tenso
 def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   # 500B's mlp.down on v4 (fsdp=128 x tensor=8): the weight gradient's partial sums over
   # the batch leave as a compiler reduce-scatter over fsdp, which blocks the chip (3.8 ms
-  # a layer, modeled over one torus dimension: this abstract mesh has no coordinates; 1.9
-  # ms over the slice's 8 x 16); a bidirectional ring over fsdp computes one 2 x 160-row
-  # block of the gradient per round while the last round's accumulators travel. The
-  # forward keeps its ring over tensor, and so does the data gradient.
+  # a layer, modeled); a bidirectional ring over fsdp computes one 2 x 160-row block of
+  # the gradient per round while the last round's accumulators travel. The forward keeps
+  # its ring over tensor, and so does the data gradient.
   mesh = jax.sharding.AbstractMesh((1, 128, 8), (D, F, T))
   eq, ls, rs, os_ = DOWN
   d = explain(eq, (256, 2048, 65536), (65536, 20480), 'bfloat16', mesh=mesh, lhs_spec=ls,
