@@ -80,7 +80,8 @@ def _sharded_dims(equation: str, specs) -> str:
 
 def table(report_rows: list[dict]) -> str:
   """A fixed-width text table of the rows."""
-  head = ('layer', 'einsum', 'sharded dims', 'collective', 'decision', 'step us (modeled)')
+  head = ('layer', 'einsum', 'sharded dims', 'collective', 'decision', 'step us (modeled)',
+          'gradients (modeled)')
   lines = [head]
   for r in report_rows:
     if 'modeled_single_us' in r:
@@ -89,14 +90,29 @@ def table(report_rows: list[dict]) -> str:
       step = '-'
     else:
       step = f"{r['modeled_step_compute_us']:.1f} / {r['modeled_step_transfer_us']:.1f}"
-    decision = r['decision']
-    if decision == 'none' and runs_a_ring(r):
-      decision += '; ' + ', '.join(f'{w} gradient {g}' for w, g in r['gradients'].items()
-                                   if g != 'none')
-    lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], decision, step))
+    lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], r['decision'],
+                  step, _gradients(r)))
   widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
   fmt = lambda l: '  '.join(str(c).ljust(w) for c, w in zip(l, widths)).rstrip()
   return '\n'.join([fmt(lines[0]), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines[1:]])
+
+
+def _gradients(row: dict) -> str:
+  """How each gradient einsum runs, with the modeled ms of that form and of one einsum
+  where the cost model weighed them (``modeled_gradient_seconds``)."""
+  seconds = row.get('modeled_gradient_seconds') or {}
+  axis = row['collective'].rpartition(' over ')[2]
+  cells = []
+  for which, how in (row.get('gradients') or {}).items():
+    forms = seconds.get(which, {})
+    form = {'ring': f"{row['decision']} over {axis}", 'none': 'one einsum'}.get(how, how)
+    cell = f'{which} {how}'
+    if form in forms:
+      cell += f' {forms[form] * 1e3:.2f} ms'
+      if form != 'one einsum':
+        cell += f" (one einsum {forms['one einsum'] * 1e3:.2f})"
+    cells.append(cell)
+  return '; '.join(cells) or '-'
 
 
 def runs_a_ring(row: dict) -> bool:

@@ -95,8 +95,13 @@ def test_parallelism_summary_counts_decisions_and_names_the_costliest(tmp_path, 
           {'path': 'e.moe.exchange', 'decision': 'chunked x2', 'modeled_single_us': 9.0,
            'modeled_chunked_us': 6.0}]
   # a plain forward whose weight gradient rings (gradient_rings='any_forward'): decomposed
-  rows.insert(3, _row('f', 'none') | {'gradients': {'lhs': 'none',
-                                                    'rhs': 'bidirectional over fsdp'}})
+  rows.insert(3, _row('f', 'none') | {
+      'gradients': {'lhs': 'none', 'rhs': 'bidirectional over fsdp'},
+      'modeled_gradient_seconds': {'rhs': {'one einsum': 6.39e-3,
+                                           'bidirectional over fsdp': 4.982e-3}}})
+  rows[1] |= {'gradients': {'lhs': 'ring', 'rhs': 'none'},
+              'modeled_gradient_seconds': {'lhs': {'one einsum': 9e-3,
+                                                   'unidirectional over c': 5e-3}}}
   policy = sharding.MatmulPolicy('auto', hardware='tpu_v4')
   lines = report.summary(rows, policy, str(tmp_path / 'parallelism_report.json'),
                          costliest=2).splitlines()
@@ -109,7 +114,10 @@ def test_parallelism_summary_counts_decisions_and_names_the_costliest(tmp_path, 
   assert report.main([str(tmp_path)]) == 0
   out = capsys.readouterr().out.splitlines()
   assert out[0].split()[:2] == ['layer', 'einsum'] and len(out) == 2 + 5
-  assert 'none; rhs gradient bidirectional over fsdp' in out[2 + 3], out
+  assert out[2 + 3].endswith('lhs none; rhs bidirectional over fsdp 4.98 ms (one einsum '
+                             '6.39)'), out
+  assert out[2 + 1].endswith('lhs ring 5.00 ms (one einsum 9.00); rhs none'), out
+  assert out[2].endswith(' -'), out  # no gradients reported
   assert report.main([str(tmp_path / 'missing.json')]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and err.startswith('error: ') and 'missing.json' in err
