@@ -243,9 +243,8 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
                         (out_shape, shapes[1])),
                 'rhs': (f'{eq.lhs},{eq.out}->{eq.rhs}', (lhs_spec, out_spec, rhs_spec),
                         (shapes[0], out_shape))}
-  rings, seconds = [], []
+  rings, seconds = [], {'lhs': {}, 'rhs': {}}
   for which, (equation, t_specs, t_shapes) in transposed.items():
-    seconds.append({})
     t_eq, plans = einsum_plan.plan(equation, *t_specs)
     plan = next((p for p in plans if p.axis == axis), None) if axis else None
     if axis and (plan is None or plan.kind not in DECOMPOSABLE):
@@ -275,9 +274,9 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
     plain = est[candidates[0].axis].compute_seconds + sum(compiler.values())
     best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
     rings.append(best if best and total[best] <= plain else None)
-    seconds[-1] = {'one einsum': plain, **{f'{m} over {a}': s for (a, m), s in total.items()},
-                   **{f"compiler's collective over {a}": s for a, s in compiler.items()}}
-  return tuple(rings), tuple(seconds)
+    seconds[which] = {'one einsum': plain, **{f'{m} over {a}': s for (a, m), s in total.items()},
+                      **{f"compiler's collective over {a}": s for a, s in compiler.items()}}
+  return tuple(rings), (seconds['lhs'], seconds['rhs'])
 
 
 def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,
