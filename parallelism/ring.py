@@ -157,6 +157,26 @@ def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n:
   return consume(acc, right, at(n_right))
 
 
+def all_gather_apart(shard: jax.Array, consume: Callable, *, axis: str, n: int,
+                     idx: jax.Array, dim: int) -> jax.Array:
+  """A unidirectional all-gather ring with no loop whose results are joined once.
+
+  ``consume(block)`` maps each device's block, as it passes, to its part of the result
+  (an einsum); the parts, in the order they arrived (this device's first), are joined
+  along ``dim`` and rolled so that device k's part sits at offset k. Written into a
+  buffer one by one instead, each part left the einsum in its own layout and was copied
+  into the buffer's before the write (dense_64b's gate/up ring; docs/paper_scale.md); the
+  join writes the whole result once, in the layout its readers take.
+  """
+  parts, block = [consume(shard)], shard
+  nxt = recv_from(shard, axis, n, +1) if n > 1 else None
+  for s in range(1, n):  # block idx + s in hand; fetch the next
+    block, nxt = nxt, (recv_from(nxt, axis, n, +1) if s < n - 1 else None)
+    parts.append(consume(block))
+  joined = jnp.concatenate(parts, dim)
+  return joined if n == 1 else jnp.roll(joined, idx * parts[0].shape[dim], axis=dim)
+
+
 def halves_dim(x: jax.Array) -> int | None:
   """The dimension along which an even bidirectional ring splits the opposite device's
   block into the halves that travel one each way: the first of even size (the most
