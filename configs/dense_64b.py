@@ -33,7 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_unroll = 1          # two layers per iteration: ours 2.417 s, baseline 2.628 s
   c.mesh.fsdp = 64
   c.mesh.tensor = 8
-  # Rings over tensor=8 run with no loop, every step its own ops (modeled, ours: 4.342 s;
+  # Rings over tensor=8 run with no loop, every step its own ops (modeled, ours: 4.317 s;
   # before the halved opposite blocks 4.473 s, against 4.649 s with two steps per loop
   # iteration and 4.906 s with one).
   c.parallelism.unroll = 8
