@@ -168,6 +168,21 @@ def test_hlo_has_no_collective_over_the_decomposed_axis(pattern):
       assert rounds == (n - 1 if mode == 'unidirectional' else -(-(n - 1) // 2)), offsets
 
 
+def test_an_unrolled_unidirectional_all_gather_ring_joins_its_blocks_once():
+  """With no loop (always on CPU), a unidirectional ring keeps each block's einsum apart
+  and joins them at the end (on TPU, each block written into the buffer was first copied
+  into the buffer's layout); a bidirectional one writes its pairs into a buffer."""
+  eq, ls, rs, os_, _ = PATTERNS[0]
+  mesh = _mesh(4, data=1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict(b=2, t=2, d=2, f=2))
+  lhs = jnp.arange(np.prod(lhs_shape), dtype=jnp.float32).reshape(lhs_shape)
+  rhs = jnp.ones(rhs_shape)
+  for mode, writes in (('unidirectional', False), ('bidirectional', True)):
+    fwd, _ = _run(eq, ls, rs, os_, mesh, lhs, rhs, mode)
+    assert ('dynamic_update_slice' in fwd.lower(lhs, rhs).as_text()) == writes, mode
+    np.testing.assert_allclose(fwd(lhs, rhs), jnp.einsum(eq, lhs, rhs), rtol=1e-6)
+
+
 def test_bidirectional_halves_the_sequential_steps():
   from parallelism import ring
   assert ring.ring_split(8, False) == (7, 0)
