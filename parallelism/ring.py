@@ -168,9 +168,9 @@ def all_gather_apart(shard: jax.Array, consume: Callable, *, axis: str, n: int,
   into the buffer's before the write (dense_64b's gate/up ring; docs/paper_scale.md); the
   join writes the whole result once, in the layout its readers take.
   """
-  parts, block = [consume(shard)], shard
+  parts = [consume(shard)]
   nxt = recv_from(shard, axis, n, +1) if n > 1 else None
-  for s in range(1, n):  # block idx + s in hand; fetch the next
+  for s in range(1, n):  # block idx + s arrives; the next is fetched before its einsum
     block, nxt = nxt, (recv_from(nxt, axis, n, +1) if s < n - 1 else None)
     parts.append(consume(block))
   joined = jnp.concatenate(parts, dim)
