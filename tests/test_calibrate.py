@@ -1,5 +1,6 @@
 """benchmarks.calibrate: the modeled row from a compiled program, and bad input."""
 
+import dataclasses
 import os
 
 import pytest
@@ -24,8 +25,14 @@ def test_a_row_is_modeled_from_its_program_and_compared_with_the_measurement():
                       coords=None, memory_gib=1.0)
   chip = step_model.Chip.from_profile('tpu_v5p')
   m = row.model(chip)
-  assert m['mfu'] == pytest.approx(1e11 / (chip.peak_flops * m['step_seconds']))
-  assert m['error_points'] == pytest.approx(100 * (m['mfu'] - 0.5))
+  with open(row.hlo_path, encoding='utf-8') as f:
+    program = step_model.analyze(f.read(), chip)
+  assert m['step_seconds'] == program.step_seconds > 0
+  assert row.program_flops_per_chip == program.flops > 0
+  assert m['mfu'] == pytest.approx(1e11 / (chip.peak_flops * program.step_seconds))
+  assert m['error_points'] == pytest.approx(100 * m['mfu'] - 50)
+  twice = dataclasses.replace(row, model_flops_per_chip=2e11).model(chip)
+  assert twice['mfu'] == pytest.approx(2 * m['mfu'])
   assert m['matmul_at_peak_seconds'] <= m['compute_seconds'] <= m['step_seconds']
   lines = calibrate.table([row])
   assert lines[0].startswith('| config |') and 'maxtext_32b_v5p' in lines[2]

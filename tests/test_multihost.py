@@ -146,6 +146,9 @@ def test_a_process_alone_notices_its_dead_peer(tmp_path):
   for line in procs[0].stdout:
     if line.startswith('step'):
       break
+  else:  # a survivor that never trained would exit non-zero for another reason
+    procs[1].kill()
+    pytest.fail(f'process 0 exited with {procs[0].wait()} before its first step')
   procs[1].kill()
   killed = time.time()
   procs[0].communicate(timeout=90)

@@ -145,9 +145,10 @@ def test_tpu_batched_matmul_convolution_flops():
 
 def test_trip_count_with_a_counter_stepping_by_two():
   text = HAND_BUILT.replace('%one = s32[] constant(1)', '%one = s32[] constant(2)').replace(
-      '%n = s32[] constant(3)', '%n = s32[] constant(6)')
-  r = step_model.analyze(text, CHIP)
-  assert r.pairs[0]['executions'] == 3 and r.flops == 3 * 2 * 64 * 256 * 128
+      '%n = s32[] constant(3)', '%n = s32[] constant(7)')
+  assert text.count('constant(2)') > HAND_BUILT.count('constant(2)') and 'constant(7)' in text
+  r = step_model.analyze(text, CHIP)  # 0, 2, 4, 6: four trips (one step at a time: seven)
+  assert r.pairs[0]['executions'] == 4 and r.flops == 4 * 2 * 64 * 256 * 128
 
 
 @pytest.mark.parametrize('attrs,group', [
@@ -215,7 +216,9 @@ def test_links_a_transfer_occupies():
   assert step_model.links(gather, 4, square) == {(0, 1), (0, -1), (1, 1), (1, -1)}
   # Without coordinates only the same pairs (or group) share.
   assert step_model.links(permute(RIGHT), 4) != step_model.links(permute(LEFT), 4)
-  assert step_model.links(permute(RIGHT), 4) == step_model.links(permute(RIGHT), 4)
+  other = hlo_text.parse_instr(  # another permute (type, name, async) on the same pairs
+      f'  %q = f32[64]{{0}} collective-permute-start(%y), source_target_pairs={RIGHT}')
+  assert step_model.links(other, 4) == step_model.links(permute(RIGHT), 4)
 
 
 @pytest.mark.parametrize('second,turns', [(RIGHT, 2), (LEFT, 1)])
@@ -356,8 +359,24 @@ def test_async_collective_carried_through_a_loop_and_async_wrappers():
   by_start = {p['start']: p for p in r.pairs}
   assert by_start['start']['done'] == 'done' and by_start['start']['einsums_between'] == ['ring']
   assert by_start['ags']['done'] == 'agd' and by_start['ags']['einsums_between'] == ['mm']
+  # The loop's four carried einsums (and its counter's scalar ops) hide one gather, one
+  # einsum the other.
+  mm = matmul / CHIP.matmul_rate
+  assert by_start['start']['compute_between_us'] == pytest.approx(4 * mm * 1e6, rel=1e-3)
+  assert by_start['ags']['compute_between_us'] == pytest.approx(mm * 1e6)
   assert r.exposed_comm_seconds == pytest.approx(
-      sum(max(0.0, gather - p['compute_between_us'] / 1e6) for p in r.pairs))
+      max(0, gather - 4 * mm) + max(0, gather - mm), rel=1e-3)
+
+
+def test_the_fitted_constants_apply_unless_told_not_to(monkeypatch):
+  monkeypatch.setattr(step_model, 'MATMUL_EFFICIENCY', 0.5)
+  monkeypatch.setattr(step_model, 'LINK_EFFICIENCY', 0.25)
+  profile = hardware.PROFILES['tpu_v4']
+  fitted = step_model.Chip.from_profile('tpu_v4')
+  assert fitted.matmul_rate == 0.5 * profile.peak_flops
+  assert fitted.link_rate == 0.25 * profile.link_bandwidth
+  sheet = step_model.Chip.from_profile('tpu_v4', calibrated=False)
+  assert (sheet.matmul_rate, sheet.link_rate) == (profile.peak_flops, profile.link_bandwidth)
 
 
 def test_one_table_of_hardware_facts():
