@@ -14,6 +14,9 @@ r"""Runs a command on every worker of a Cloud TPU VM slice, through gcloud.
    ``--config.distributed.auto=True`` added to trainer commands (the workers
    find each other; trainer/runtime.py). Every output line is prefixed with
    ``[w<worker number>]`` and also kept in ``~/ringtrain/logs/`` on its worker.
+   A command that fails on a worker fails the launch: its status passes through
+   the output's pipe (``set -o pipefail``) and gcloud, and the launch says so in
+   one line and exits non-zero.
 
 ``--stop`` sends SIGTERM to the trainer on every worker (the processes running
 ``python -m trainer.train``, not shells whose command line mentions it): each
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,7 +85,8 @@ def remote_command(command: list[str]) -> str:
     command[0] = '.venv/bin/python'
   if 'trainer.train' in command and not any('distributed.auto' in a for a in command):
     command.append('--config.distributed.auto=True')
-  return (f'cd ~/{REMOTE_DIR} && mkdir -p logs && W={WORKER_NUMBER} && '
+  # pipefail: the line's status is the command's, not sed's (the workers' shell is bash).
+  return (f'set -o pipefail && cd ~/{REMOTE_DIR} && mkdir -p logs && W={WORKER_NUMBER} && '
           f'{shlex.join(command)} 2>&1 | tee logs/worker_$W.log | sed -u "s/^/[w$W] /"')
 
 
@@ -104,17 +109,34 @@ def commands(args, archive: str) -> list[list[str]]:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  needed = ['gcloud'] + ([] if args.stop or args.skip_setup else ['tar'])
+  missing = [p for p in needed if not args.dry_run and shutil.which(p) is None]
+  if missing:
+    print(f'error: {missing[0]} not found on PATH' + (
+        ' (install the Google Cloud CLI: https://cloud.google.com/sdk/docs/install)'
+        if missing[0] == 'gcloud' else ''), file=sys.stderr)
+    return 2
   # mkdtemp: a new directory only this user can enter, so no one else can plant a
   # symlink where the archive goes or swap the archive before it is copied.
   with tempfile.TemporaryDirectory(prefix='ringtrain-launch-') as private:
-    for cmd in commands(args, os.path.join(private, ARCHIVE)):
+    steps = commands(args, os.path.join(private, ARCHIVE))
+    for cmd in steps:
       print(shlex.join(cmd), flush=True)
       if args.dry_run:
         continue
-      status = subprocess.call(cmd)
+      try:
+        status = subprocess.call(cmd)
+      except FileNotFoundError:  # gone since the check above
+        print(f'error: {cmd[0]} not found on PATH', file=sys.stderr)
+        return 2
       if status:
-        print(f'error: {cmd[0]} exited with status {status}', file=sys.stderr)
-        return status
+        what = ' '.join(cmd[:5]) if cmd[0] == 'gcloud' else cmd[0]
+        why = ('' if args.stop else
+               ': the command was not run' if cmd is not steps[-1] else
+               ': the command failed on a worker (its [w<n>] lines above, its log in '
+               f'~/{REMOTE_DIR}/logs/ there), or gcloud could not run it')
+        print(f'error: {what} exited with status {status}{why}', file=sys.stderr)
+        return status if status > 0 else 128 - status  # killed by a signal: 128 + its number
   return 0
 
 

@@ -21,12 +21,14 @@ if [ "$4" = ssh ] && [ -n "$RUN_SSH" ]; then
 fi
 '''
 PKILL = '#!/bin/bash\nexec /usr/bin/pkill -s "$TEST_SESSION" "$@"\n'
+CURL = '#!/bin/bash\necho 0\n'  # the metadata server's worker number, without a network
 
 
 def _standin(tmp_path, monkeypatch):
   standin = tmp_path / 'standin'
   (standin / 'shim').mkdir(parents=True)
-  for path, text in ((standin / 'gcloud', GCLOUD), (standin / 'shim' / 'pkill', PKILL)):
+  for path, text in ((standin / 'gcloud', GCLOUD), (standin / 'shim' / 'pkill', PKILL),
+                     (standin / 'shim' / 'curl', CURL)):
     path.write_text(text)
     path.chmod(0o755)
   monkeypatch.setenv('PATH', f'{standin}{os.pathsep}{os.environ["PATH"]}')
@@ -95,3 +97,36 @@ def test_the_venv_is_made_by_the_python_asked_for():
   setup = [a for c in tpu_pod.commands(args, '/private/ringtrain.tgz') for a in c
            if a.startswith('--command=') and '-m venv' in a]
   assert len(setup) == 1 and 'python3.11 -m venv .venv' in setup[0]
+
+
+def _run_on_the_worker(script):
+  """tpu_pod --skip_setup running ``sh -c script`` through the stand-in's ssh."""
+  return tpu_pod.main(['--tpu', 't', '--zone', 'z', '--skip_setup', '--', 'sh', '-c', script])
+
+
+def test_a_command_failing_on_a_worker_fails_the_launch(tmp_path, monkeypatch, capfd):
+  """Its status passes through the pipe to tee and sed (not sed's 0), and one line says so."""
+  _standin(tmp_path, monkeypatch)
+  (tmp_path / 'home' / tpu_pod.REMOTE_DIR).mkdir(parents=True)
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  monkeypatch.setenv('RUN_SSH', '1')
+  assert _run_on_the_worker('echo training; exit 3') == 3
+  out, err = capfd.readouterr()
+  assert '[w0] training' in out
+  assert len(err.splitlines()) == 1 and err.startswith('error: gcloud compute tpus tpu-vm ssh '
+                                                       'exited with status 3'), err
+  log = tmp_path / 'home' / tpu_pod.REMOTE_DIR / 'logs' / 'worker_0.log'
+  assert log.read_text() == 'training\n'
+  assert _run_on_the_worker('echo done') == 0
+  assert capfd.readouterr().err == ''
+
+
+def test_without_gcloud_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv('PATH', str(tmp_path))  # no gcloud there
+  monkeypatch.chdir(tmp_path)
+  assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--', 'python', '-c', 'pass']) == 2
+  err = capsys.readouterr().err
+  assert len(err.splitlines()) == 1 and err.startswith('error: gcloud not found'), err
+  assert os.listdir(tmp_path) == []  # nothing packed
+  assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--stop']) == 2
+  assert capsys.readouterr().err.startswith('error: gcloud not found')
