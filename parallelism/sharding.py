@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops, saved
+from parallelism import mesh as mesh_lib
 from parallelism import moe
 from parallelism.collective_einsum import (GRADIENT_ACCUMULATORS, GRADIENT_RINGS, RING_DTYPES,
                                           explain, run_decision, unroll_problem)
@@ -34,10 +35,17 @@ def normalize_rules(table: Iterable[Sequence[Any]]) -> Rules:
   """Turns the config's rule table into a hashable tuple of tuples."""
   rules = []
   for row in table:
-    if len(row) != 2:
+    if isinstance(row, str) or len(row) != 2:
       raise ValueError(f'logical axis rule {row!r} is not a [logical, mesh_axes] pair')
     logical, axes = row
-    rules.append((str(logical), axes_of(axes)))
+    if axes is not None and not isinstance(axes, (str, list, tuple)):
+      axes = [axes]
+    bad = [a for a in axes_of(axes) if a not in mesh_lib.AXES]
+    if not isinstance(logical, str) or bad:
+      raise ValueError(f'mesh.logical_axis_rules row {list(row)!r}: '
+                       f'{bad[0] if bad else logical!r} is not '
+                       f'{"one of " + ", ".join(mesh_lib.AXES) if bad else "a logical axis name"}')
+    rules.append((logical, axes_of(axes)))
   return tuple(rules)
 
 

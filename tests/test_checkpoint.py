@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_cli import DEFAULT, TINY
-from trainer import checkpoint, loop, train
+from trainer import checkpoint, evaluate, loop, train
 
 # Tiny runs that log every step; checkpoints every 2 steps.
 RUN = TINY + ['--config.log_every=1', '--config.eval_every=0', '--config.checkpoint.every=2']
@@ -122,19 +122,29 @@ def test_bad_init_from_exits_2_with_one_line(tmp_path, capsys, target, message):
     assert 'embed_vd: shape (264, 64) in the checkpoint, (264, 32) in the model' in err
 
 
-def test_corrupted_checkpoint_is_named_and_can_fall_back(tmp_path, capsys):
-  assert _main(tmp_path / 'run', '--config.steps=6', '--config.stop_after=4') == 0
-  step4 = os.path.join(checkpoint.directory_of(tmp_path / 'run'), '4')
-  for path in glob.glob(os.path.join(step4, 'params', '**', 'd', '*'), recursive=True):
-    with open(path, 'r+b') as f:  # flip bytes in the middle of every data file
+def corrupt_params(step_dir) -> None:
+  """Flips a byte in the middle of every parameter data file of a checkpoint's step."""
+  paths = glob.glob(os.path.join(step_dir, 'params', '**', 'd', '*'), recursive=True)
+  assert paths, step_dir
+  for path in paths:
+    with open(path, 'r+b') as f:
       f.seek(os.path.getsize(path) // 2)
       byte = f.read(1)
       f.seek(-1, 1)
       f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_corrupted_checkpoint_is_named_and_can_fall_back(tmp_path, capsys):
+  assert _main(tmp_path / 'run', '--config.steps=6', '--config.stop_after=4') == 0
+  step4 = os.path.join(checkpoint.directory_of(tmp_path / 'run'), '4')
+  corrupt_params(step4)
   capsys.readouterr()
   assert _main(tmp_path / 'run', '--config.steps=6') == 1
   err = capsys.readouterr().err.strip()
   assert '\n' not in err and step4 in err and 'on_corrupt=previous' in err, err
+  assert evaluate.main(['--checkpoint', str(tmp_path / 'run')]) == 1  # found when restoring
+  err = capsys.readouterr().err.strip()
+  assert err.startswith('error: ') and '\n' not in err and step4 in err, err
   assert _main(tmp_path / 'run', '--config.steps=6', '--config.checkpoint.on_corrupt=previous') == 0
   assert 'resuming from step 2' in capsys.readouterr().out
 

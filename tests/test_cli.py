@@ -64,6 +64,20 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.optimizer.learning_rate=inf'], 'learning_rate=inf must be finite and > 0'),
     (['--config.optimizer.learning_rate=0'], 'learning_rate=0.0 must be finite and > 0'),
     ([f'--config.data.path={ROOT}/tests'], f"data.path='{ROOT}/tests' names a directory"),
+    # values that ran with a silent surprise: unbounded prefetch, no clipping, NaN updates
+    (['--config.data.prefetch=-1'], 'data.prefetch=-1 must be >= 0'),
+    (['--config.optimizer.grad_clip=-1'], 'optimizer.grad_clip=-1.0 must be finite and >= 0'),
+    (['--config.optimizer.b2=1.5'], 'optimizer.b2=1.5 is not in [0, 1)'),
+    (['--config.optimizer.eps=0'], 'optimizer.eps=0.0 must be finite and > 0'),
+    (['--config.hardware.peak_flops=-1'], 'hardware.peak_flops=-1.0 must be >= 0'),
+    (['--config.profile.num_steps=2', '--config.profile.start_step=5'],
+     'profile.start_step=5 traces nothing: the run has updates 0 to 0 (steps=1)'),
+    (['--config.model.head_dim=33'], 'model.head_dim=33 must be even'),
+    (["--config.mesh.logical_axis_rules=[['batch', 'dta']]"],
+     "mesh.logical_axis_rules row ['batch', 'dta']: 'dta' is not one of data, fsdp"),
+    (["--config.mesh.logical_axis_rules=[['batch', 3]]"],
+     "mesh.logical_axis_rules row ['batch', 3]: 3 is not one of data, fsdp"),
+    (['--workdir', f'{ROOT}/README.md'], 'README.md exists and is not a directory'),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, overrides, message):
   workdir = tmp_path / 'run'
@@ -122,6 +136,16 @@ def test_empty_corpus(tmp_path, capsys):
   code = train.main(['--config', DEFAULT, '--workdir', str(tmp_path / 'run'),
                      f'--config.data.path={tmp_path / "empty.txt"}'])
   assert code == 2 and 'corpus is empty' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('spec, message', [
+    (f'{ROOT}/README.md', 'README.md is not a Python module'),
+    (f'{DEFAULT}:x', "cannot call get_config('x'): too many positional arguments"),
+])
+def test_a_config_that_cannot_be_loaded_is_one_line(spec, message, capsys):
+  assert train.main(['--config', spec]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_missing_config_file(capsys):

@@ -1,6 +1,8 @@
 """Generation: the cached decode path against full recomputation, seeds, the CLI."""
 
 import dataclasses
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +102,24 @@ def test_cli_refusals_exit_2(byte_checkpoint, capsys, extra, message):
   assert generate.main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith('error: ') and message in err and '\n' not in err
+
+
+def test_a_corrupt_checkpoint_exits_1_naming_it_not_the_mesh(byte_checkpoint, tmp_path, capsys):
+  from tests.test_checkpoint import corrupt_params  # pylint: disable=import-outside-toplevel
+  copy = tmp_path / 'copy'
+  shutil.copytree(byte_checkpoint, copy)
+  corrupt_params(os.path.join(checkpoint.directory_of(copy), '0'))
+  assert generate.main(['--checkpoint', str(copy), '--prompt', 'x', '--max_new_tokens', '2']) == 1
+  err = capsys.readouterr().err.strip()
+  assert err.startswith('error: ') and '\n' not in err and '--mesh.tensor' not in err, err
+
+
+def test_evaluate_asks_for_a_config_for_a_parameters_only_checkpoint(byte_checkpoint, capsys):
+  from trainer import evaluate  # pylint: disable=import-outside-toplevel
+  assert evaluate.main(['--checkpoint', byte_checkpoint]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == (f'error: {byte_checkpoint} records no run config (parameters only, e.g. from '
+                 'trainer.convert): pass --config'), err
 
 
 def test_cli_refuses_moe(tmp_path, capsys):

@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -338,10 +339,17 @@ def load_dict(spec: str) -> dict:
   if not os.path.isfile(path):
     raise ConfigError(f'config file not found: {path}')
   module_spec = importlib.util.spec_from_file_location('_run_config', path)
+  if module_spec is None:  # e.g. a run's config.json
+    raise ConfigError(f'config file {path} is not a Python module (a .py with get_config())')
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   if not hasattr(module, 'get_config'):
     raise ConfigError(f'config file {path} has no get_config()')
+  try:  # a wrong call is the user's spec, not a bug: one line
+    inspect.signature(module.get_config).bind(*[arg] if arg else [])
+  except TypeError as e:
+    raise ConfigError(f'{spec}: cannot call get_config({repr(arg) if arg else ""}): {e}'
+                      ) from None
   try:
     cfg = module.get_config(arg) if arg else module.get_config()
   except ValueError as e:  # a config that refuses its argument

@@ -39,7 +39,10 @@ def parse_args(argv):
 def load_config(args, overrides) -> Config:
   """The run config (the checkpoint's, or ``--config``'s) with overrides; parameters from it."""
   values = (config_lib.load_dict(args.config) if args.config
-            else checkpoint.peek_meta(args.checkpoint)['config'])
+            else checkpoint.peek_meta(args.checkpoint).get('config'))
+  if values is None:
+    raise config_lib.ConfigError(f'{args.checkpoint} records no run config (parameters only, '
+                                 'e.g. from trainer.convert): pass --config')
   return config_lib.build(values, overrides).replace({'init_from': args.checkpoint})
 
 
@@ -49,10 +52,10 @@ def main(argv=None) -> int:
   try:
     with tempfile.TemporaryDirectory() as workdir:  # no checkpoints there: nothing resumes
       run = train.prepare_loaded(load_config(args, overrides), workdir)
+    s = loop.setup(run)  # restores the parameters: a corrupt array is found here
   except ValueError as e:  # ConfigError, a bad checkpoint (1 if corrupt)
     print(f'error: {str(e).strip(chr(34))}', file=sys.stderr)
     return getattr(e, 'exit_status', 2)
-  s = loop.setup(run)
   record = loop._evaluate(s.eval_step, s.state.params, s.eval_batches)  # pylint: disable=protected-access
   cfg = run.cfg
   step = checkpoint.resolve(args.checkpoint)[1]

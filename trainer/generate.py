@@ -268,11 +268,13 @@ def main(argv=None) -> int:
       raise ValueError(f'--mesh.tensor={tensor} exceeds the {jax.device_count()} devices')
     try:
       model, _ = load_model(args.checkpoint, model_cfg, tensor)
+    except checkpoint.CheckpointError:  # the checkpoint's fault, not the layout's
+      raise
     except ValueError as e:
       raise ValueError(f'--mesh.tensor={tensor}: {e}') from None
-  except (ConfigError, ValueError, checkpoint.CheckpointError) as e:
+  except (ConfigError, ValueError) as e:  # CheckpointError is one: a corrupt one exits 1
     err(f'error: {str(e).strip(chr(34))}')
-    return 2
+    return getattr(e, 'exit_status', 2)
   err(f'checkpoint {args.checkpoint}: tokenizer {spec or "bytes"} ({tok.vocab_size} tokens), '
       f'mesh tensor={tensor} ({tensor} of {jax.device_count()} {jax.devices()[0].platform} '
       f'devices), prompt {len(prompt)} tokens')

@@ -32,6 +32,7 @@ import argparse
 import concurrent.futures
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -391,8 +392,8 @@ def check_args(args) -> None:
     raise ValueError(f'--eval_fraction={args.eval_fraction} is not in [0, 1]')
   if args.workers < 1:
     raise ValueError(f'--workers={args.workers} must be at least 1')
-  if not args.shard_size_mb > 0:
-    raise ValueError(f'--shard_size_mb={args.shard_size_mb} must be > 0')
+  if not (math.isfinite(args.shard_size_mb) and args.shard_size_mb > 0):
+    raise ValueError(f'--shard_size_mb={args.shard_size_mb} must be finite and > 0')
 
 
 def prepare(args) -> int:

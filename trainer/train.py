@@ -153,6 +153,16 @@ def _check_workdir(workdir: str | None) -> None:
     raise ValueError(f'--workdir {workdir}: {scheme}:// paths are not supported yet; mount '
                      f'the bucket (gcsfuse {bucket} /mnt/{bucket}) and pass the local path '
                      f'(--workdir /mnt/{rest})')
+  if not workdir:
+    return
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f'--workdir {workdir} exists and is not a directory')
+  existing = os.path.abspath(workdir)
+  while not os.path.exists(existing):  # checked before JAX starts, not when it is created
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f'--workdir {workdir}: {existing} is not a directory this user can '
+                     'write to')
 
 
 def start_workdir(run: Run, writer_enabled: bool) -> None:

@@ -26,7 +26,11 @@ def validate(cfg: Config) -> None:
   if cfg.hardware.name != 'auto':
     hardware.get_profile(cfg.hardware.name)  # an unknown name: refused before JAX starts
   hardware.check_flags(cfg.hardware.xla_flags)
+  sharding.normalize_rules(cfg.mesh.logical_axis_rules)
   sharding.MatmulPolicy.from_config(cfg).validate()
+  if cfg.hardware.peak_flops < 0:
+    raise ValueError(f'hardware.peak_flops={cfg.hardware.peak_flops} must be >= 0 '
+                     '(0: from the profile)')
   _check_optimizer(cfg.optimizer)
   _check_checkpoint(cfg.checkpoint)
   m = cfg.model
@@ -46,6 +50,8 @@ def check_model(model_cfg) -> None:
               'mlp_dim', 'max_seq_len'):
     if getattr(model_cfg, key) < 1:
       raise ValueError(f'model.{key}={getattr(model_cfg, key)} must be at least 1')
+  if model_cfg.head_dim % 2:  # rotary embeddings turn pairs of features
+    raise ValueError(f'model.head_dim={model_cfg.head_dim} must be even (rotary embeddings)')
   model_cfg.validate()
 
 
@@ -63,6 +69,15 @@ def _check_run(cfg: Config) -> None:
     raise ValueError(f'on_nonfinite={cfg.on_nonfinite!r} is not one of stop, skip')
   if not 0 <= cfg.seed < 2**32:  # numpy's and JAX's seeds; a bad one failed after writing
     raise ValueError(f'seed={cfg.seed} is not in [0, 2**32)')
+  if cfg.data.prefetch < 0:  # a queue of negative size has no bound
+    raise ValueError(f'data.prefetch={cfg.data.prefetch} must be >= 0 (0: no background thread)')
+  prof = cfg.profile
+  if prof.start_step < 0 or prof.num_steps < 0:
+    raise ValueError(f'profile.start_step={prof.start_step} and profile.num_steps='
+                     f'{prof.num_steps} must be >= 0')
+  if prof.num_steps and prof.start_step >= cfg.steps:
+    raise ValueError(f'profile.start_step={prof.start_step} traces nothing: the run has '
+                     f'updates 0 to {cfg.steps - 1} (steps={cfg.steps})')
 
 
 def _check_optimizer(opt) -> None:
@@ -77,6 +92,15 @@ def _check_optimizer(opt) -> None:
   for key in ('end_lr_fraction', 'decay_fraction'):
     if not 0 <= getattr(opt, key) <= 1:
       raise ValueError(f'optimizer.{key}={getattr(opt, key)} is not in [0, 1]')
+  for key in ('b1', 'b2'):
+    if not 0 <= getattr(opt, key) < 1:
+      raise ValueError(f'optimizer.{key}={getattr(opt, key)} is not in [0, 1)')
+  if not (math.isfinite(opt.eps) and opt.eps > 0):
+    raise ValueError(f'optimizer.eps={opt.eps} must be finite and > 0')
+  for key in ('weight_decay', 'grad_clip', 'z_loss'):
+    if not (math.isfinite(getattr(opt, key)) and getattr(opt, key) >= 0):
+      raise ValueError(f'optimizer.{key}={getattr(opt, key)} must be finite and >= 0 '
+                       f'{"(0: off)" if key != "weight_decay" else ""}'.rstrip())
   if opt.mu_dtype not in optim.MU_DTYPES:
     raise ValueError(f'optimizer.mu_dtype={opt.mu_dtype!r} is not one of '
                      f'{", ".join(optim.MU_DTYPES)}')
