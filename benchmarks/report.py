@@ -82,13 +82,20 @@ def run_json(argv: list[str], env=None) -> dict:
   return json.loads(proc.stdout)
 
 
+def default_run_args(workdir: str, steps: int) -> list[str]:
+  """The arguments after ``python`` of the default run (``default_run``; the page prints
+  them with a placeholder workdir)."""
+  return ['-m', 'trainer.train', '--config', 'configs/default.py', '--workdir', workdir,
+          f'--config.steps={steps}', '--config.log_every=10', '--config.eval_every=0',
+          '--config.checkpoint.every=0']
+
+
 def default_run(steps: int = 40) -> dict:
-  """Trains configs/default.py briefly; median tokens/s and MFU after the first record."""
+  """Trains configs/default.py briefly; median tokens/s and MFU after the first record, and
+  the CPU peak per device the MFU divides by (the run's cached peak: parallelism/hardware.py)."""
   with tempfile.TemporaryDirectory() as tmp:
-    subprocess.run([sys.executable, '-m', 'trainer.train', '--config', 'configs/default.py',
-                    '--workdir', tmp, f'--config.steps={steps}', '--config.log_every=10',
-                    '--config.eval_every=0', '--config.checkpoint.every=0'],
-                   cwd=ROOT, check=True, stdout=sys.stderr)
+    subprocess.run([sys.executable] + default_run_args(tmp, steps), cwd=ROOT, check=True,
+                   stdout=sys.stderr)
     with open(os.path.join(tmp, 'metrics.jsonl'), encoding='utf-8') as f:
       records = [json.loads(l) for l in f if l.strip()]
   train = [r for r in records if 'tokens_per_sec' in r][1:]  # the first includes warm-up
@@ -96,6 +103,8 @@ def default_run(steps: int = 40) -> dict:
           'tokens_per_sec': statistics.median(r['tokens_per_sec'] for r in train),
           'mfu': statistics.median(r['mfu'] for r in train),
           'step_time': statistics.median(r['step_time'] for r in train),
+          'peak_flops_per_device': statistics.median(
+              r['tflops_per_device'] * 1e12 / r['mfu'] for r in train if r['mfu']),
           'records': len(train)}
 
 
@@ -142,14 +151,17 @@ def _gib(x) -> str:
   return f'{x / 2 ** 30:.2f}'
 
 
-def render_cpu(cpu: dict, plots) -> list[str]:
+def render_cpu(cpu: dict, plots, meta: dict | None = None) -> list[str]:
+  """The CPU part; ``meta`` is what ``_meta`` recorded when it was measured."""
   lines = ['## CPU benchmarks', '',
            'On CPU a collective-permute is a synchronous copy between simulated devices: '
            'decomposition cannot hide anything there, so these measure what it costs '
            '(ratios near 1 are the goal), not a speedup.', '']
   load = cpu.get('load')
   if load:
-    lines += [f'The machine has {os.cpu_count()} cores; its 1-minute load average before and '
+    machine = (f'The machine they ran on ({meta["machine"]}, as recorded then): its'
+               if meta and meta.get('machine') else 'The machine\'s')
+    lines += [f'{machine} 1-minute load average before and '
               'after each benchmark (other processes share the cores and slow the timings): '
               + ', '.join(f'{k} {a:.1f} -> {b:.1f}' for k, (a, b) in load.items()) + '.', '']
   ce = cpu.get('collective_einsum')
@@ -208,11 +220,17 @@ def render_cpu(cpu: dict, plots) -> list[str]:
     lines += ['']
   dr = cpu.get('default_run')
   if dr:
+    command = ' '.join(['python'] + default_run_args('$(mktemp -d)', dr['steps']))
+    peak = dr.get('peak_flops_per_device')
+    peak = f', {peak / 1e9:.2f} GFLOP/s per device in this run' if peak else ''
     lines += ['### Default config', '',
-              f'`python -m trainer.train --config configs/default.py --config.steps={dr["steps"]}'
-              '` (8 simulated CPU devices; MFU against the CPU peak measured at start): median '
-              f'of {dr["records"]} logged records after the first: **{dr["tokens_per_sec"]:,.0f} '
-              f'tokens/s**, **{dr["mfu"]:.1%} MFU**, {dr["step_time"]:.3f} s per step.', '']
+              f'`{command}` (8 simulated CPU devices; MFU against the CPU peak{peak}, the '
+              'host\'s best fp32 matmul over the simulated devices, measured once per machine '
+              'and cached rather than at each start, `parallelism/host_cache.py`; the run '
+              'prints it, and MFUs compare only against the same peak): median of '
+              f'{dr["records"]} logged records after the first: '
+              f'**{dr["tokens_per_sec"]:,.0f} tokens/s**, **{dr["mfu"]:.1%} MFU**, '
+              f'{dr["step_time"]:.3f} s per step.', '']
   return lines
 
 
@@ -516,7 +534,11 @@ def render_aot(aot: dict, plots) -> list[str]:
            '**baseline** (`collective_matmul=never`, XLA\'s windowed einsum off), **xla** '
            '(`never` plus XLA\'s windowed einsum, compiled at its default threshold and at '
            'threshold 0 bidirectional; the faster is shown) and **ours** (the config\'s '
-           '`collective_matmul`, XLA\'s windowed einsum off). Memory and compile time come from '
+           '`collective_matmul`, XLA\'s windowed einsum off); and, for a config with an '
+           'attention kernel (the paper configs set `splash`), **baseline, attention=xla**: '
+           'the baseline compiled once more with `model.attention=xla` (the whole `[t, s]` '
+           'logits in HBM), for its memory and time beside the kernel\'s. Memory and compile '
+           'time come from '
            'the compiler. Step times, communication and MFU are **modeled**: an analytical '
            'model over the compiled, scheduled TPU program (`parallelism/step_model.py`, whose '
            'docstring states the formulas), not a measurement on TPUs. Its calibration against '
@@ -539,18 +561,23 @@ def render_aot(aot: dict, plots) -> list[str]:
                    'arguments GiB',
                    'temporaries GiB', 'total GiB', 'usable GiB', 'fit'], rows)
   lines += ['', f'![memory per chip]({plots["aot_memory"]})', '',
-            '### Modeled step time', '', f'Paper: {PAPER}.', '']
+            '### Modeled step time', '', f'Paper: {PAPER}.', '',
+            'Every variant\'s total memory per chip is shown with it; a variant that does not '
+            'fit the usable HBM is marked **DOES NOT FIT**: the compiler compiled it, and its '
+            'modeled time is that of a program too large for the chip.', '']
   rows = []
   for name, s in aot.items():
     for v, m in s['modeled'].items():
-      flags = s['variants'][v].get('flag_set')
+      variant = s['variants'][v]
+      flags = variant.get('flag_set')
       rows.append([name, v + (f" ({flags.strip('()')})" if v == 'xla' and flags else ''),
-                   f'{s["variants"][v]["compile_seconds"]:.0f}',
+                   _fit(variant.get('memory', {})), f'{variant["compile_seconds"]:.0f}',
                    f'{m["step_seconds"]:.3f}', f'{m["compute_seconds"]:.3f}',
                    f'{m["exposed_communication_seconds"]:.3f}', f'{m["mfu"]:.1%}',
                    f'{m["speedup_vs_baseline"]:.3f}x'])
-  lines += _table(['config', 'variant', 'compile s', 'modeled step s', 'modeled compute s',
-                   'modeled exposed comm s', 'modeled MFU', 'modeled speedup vs baseline'], rows)
+  lines += _table(['config', 'variant', 'GiB per chip (fit)', 'compile s', 'modeled step s',
+                   'modeled compute s', 'modeled exposed comm s', 'modeled MFU',
+                   'modeled speedup vs baseline'], rows)
   lines += ['', f'![modeled speedup]({plots["aot_speedup"]})', '',
             f'![modeled MFU]({plots["aot_mfu"]})', ''] + render_terms(aot) + [
             '### What the schedules contain', '']
@@ -577,6 +604,14 @@ def render_aot(aot: dict, plots) -> list[str]:
   lines += _table(['config', 'variant', 'collective: executions / modeled seconds'], rows)
   lines.append('')
   return lines
+
+
+def _fit(mem: dict) -> str:
+  """A variant's total GiB per chip, marked where it does not fit the usable HBM."""
+  if 'total' not in mem:
+    return f'- ({mem["fit"]})' if mem.get('fit') else '-'
+  fits = mem.get('fit', 'FITS') == 'FITS'
+  return _gib(mem['total']) + ('' if fits else ' **DOES NOT FIT**')
 
 
 def plot(results: dict) -> dict:
@@ -662,13 +697,16 @@ def plot(results: dict) -> dict:
 
 def render(results: dict) -> str:
   paths = plot(results)
-  when = '; '.join(f'{part} measured on {m["date"]} at commit `{m["commit"]}` ({m["machine"]})'
+  when = '; '.join(f'{part} {"compiled" if part.startswith("TPU AOT") else "measured"} on '
+                   f'{m["date"]} at commit `{m["commit"]}` ({m["machine"]})'
                    for part, m in _measured(results))
   lines = ['# Benchmarks', '',
            f'Generated by `python -m benchmarks.report`: {when}. Re-run it to regenerate this '
            'page, its plots and `docs/benchmarks/results.json` from fresh measurements '
-           '(`--only cpu` or `--only aot` re-measures one part).', '']
-  lines += render_cpu(results.get('cpu', {}), paths)
+           '(`--only cpu` or `--only aot` re-measures one part; `--render` rewrites this page '
+           'from `results.json`, measuring nothing).', '']
+  lines += render_cpu(results.get('cpu', {}), paths,
+                     results.get('meta', {}).get('CPU benchmarks'))
   if results.get('aot'):
     lines += render_aot(results['aot'], paths)
   else:

@@ -168,3 +168,25 @@ def test_a_readme_without_the_block_stops_the_report_before_it_measures(tmp_path
   err = capsys.readouterr().err
   assert err.startswith('error: ') and err.rstrip().endswith('block to rewrite'), err
   assert readme.read_text() == 'no block\n'
+
+
+def test_the_default_run_is_printed_as_it_runs():
+  """The page's command is the one default_run runs (a placeholder for its temporary
+  workdir), and the machine is the one recorded when measured, not the one rendering."""
+  cpu = {'load': {'default_run': [1.0, 2.0]},
+         'default_run': {'steps': 40, 'records': 3, 'tokens_per_sec': 2000.0, 'mfu': 0.25,
+                         'step_time': 2.0, 'peak_flops_per_device': 2e10}}
+  text = '\n'.join(report.render_cpu(cpu, {}, {'machine': 'x86_64, 64 cores, Python 3.11'}))
+  command = ' '.join(['python'] + report.default_run_args('$(mktemp -d)', 40))
+  assert f'`{command}`' in text and '--workdir $(mktemp -d)' in command
+  assert '20.00 GFLOP/s per device' in text and 'measured once per machine and cached' in text
+  assert '(x86_64, 64 cores, Python 3.11, as recorded then)' in text
+  del cpu['default_run']['peak_flops_per_device']  # recorded before the peak was
+  assert 'MFU against the CPU peak, the host' in '\n'.join(report.render_cpu(cpu, {}))
+
+
+def test_a_variant_that_does_not_fit_is_marked():
+  usable = 30.75 * 2 ** 30
+  assert report._fit({'total': 29.54 * 2 ** 30, 'usable_bytes': usable, 'fit': 'FITS'}) == '29.54'
+  assert report._fit({'total': 30.80 * 2 ** 30, 'usable_bytes': usable,
+                      'fit': 'DOES NOT FIT'}) == '30.80 **DOES NOT FIT**'
