@@ -14,6 +14,11 @@ process fails, the others get a moment to end by themselves (an error they all
 meet, each reports), then are stopped (SIGTERM, then SIGKILL after a grace
 period), the tail of the failing process's log is shown, and the launcher exits
 with that process's status, all within 60 seconds.
+
+A command with ``--config`` has its config loaded with the command's
+``--config.*`` overrides (``--config.k=v`` or ``--config.k v``, as the trainer
+reads them) and validated before anything starts or is written: bad input
+exits 2 with one line ``error: ...``, as the trainer would.
 """
 
 from __future__ import annotations
@@ -53,29 +58,53 @@ def parse_args(argv):
   command = args.command[1:] if args.command[:1] == ['--'] else args.command
   if not command:
     parser.error('no command given after --')
-  if args.num_processes < 1:
-    parser.error(f'--num_processes={args.num_processes} must be at least 1')
+  for name in ('num_processes', 'devices_per_process'):
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      parser.exit(2, f'error: --{name}={value} must be at least 1\n')
   return args, command
 
 
-def _option(command: list[str], name: str) -> str | None:
-  """The value of ``--name VALUE`` or ``--name=VALUE`` in a command line."""
-  for i, arg in enumerate(command):
-    if arg == name and i + 1 < len(command):
-      return command[i + 1]
-    if arg.startswith(name + '='):
-      return arg.split('=', 1)[1]
-  return None
+def trainer_args(command: list[str]) -> tuple[str | None, str | None, list[str]]:
+  """The command's ``--config``, ``--workdir`` and ``--config.*`` overrides, read as
+  trainer.train reads them: ``--name VALUE`` or ``--name=VALUE``, and an override
+  without ``=`` takes the next argument as its value (trainer/config.py
+  parse_overrides)."""
+  found, overrides, i = {}, [], 0
+  while i < len(command):
+    arg = command[i]
+    name, eq, value = arg.partition('=')
+    if name in ('--config', '--workdir'):  # the last one counts, as argparse reads them
+      if eq:
+        found[name] = value
+      elif i + 1 < len(command):
+        found[name], i = command[i + 1], i + 1
+    elif arg.startswith('--config.'):
+      overrides.append(arg)
+      if not eq and i + 1 < len(command):  # '--config.steps 10'
+        overrides.append(command[i + 1])
+        i += 1
+    i += 1
+  return found.get('--config'), found.get('--workdir'), overrides
 
 
-def config_devices(command: list[str]) -> int:
-  """Devices the command's config asks for: the product of its mesh sizes."""
-  sys.path.insert(0, os.getcwd())
-  spec = _option(command, '--config')
+def load_config(command: list[str]):
+  """The command's config with its overrides, validated as trainer.train validates it
+  before starting (no devices); None without ``--config``. Raises ValueError."""
+  spec, _, overrides = trainer_args(command)
   if spec is None:
-    raise ValueError('the command has no --config, so pass --devices_per_process')
-  overrides = [a for a in command if a.startswith('--config.')]
-  cfg = config_lib.load(spec, overrides)
+    return None
+  sys.path.insert(0, os.getcwd())
+  try:
+    cfg = config_lib.load(spec, overrides)
+    cfg.validate()
+  except KeyError as e:  # as trainer.train reports them: one line
+    raise ValueError(str(e).strip('"')) from None
+  return cfg
+
+
+def config_devices(cfg) -> int:
+  """Devices a config asks for: the product of its mesh sizes."""
   sizes = list(cfg.mesh.sizes().values())
   if -1 in sizes:
     return cfg.hardware.cpu_devices
@@ -84,10 +113,10 @@ def config_devices(command: list[str]) -> int:
 
 def workdir_of(command: list[str]) -> str:
   """Where the trainer writes (its --workdir, else runs/<config name>)."""
-  workdir = _option(command, '--workdir')
+  spec, workdir, _ = trainer_args(command)
   if workdir:
     return workdir
-  spec = _option(command, '--config') or 'run'
+  spec = spec or 'run'
   return os.path.join('runs', os.path.splitext(os.path.basename(spec.partition(':')[0]))[0])
 
 
@@ -124,8 +153,7 @@ class Process:
 
 
 def launch(num: int, per_process: int, command: list[str], log_dir: str) -> int:
-  """Starts the processes and supervises them; returns the exit status."""
-  os.makedirs(log_dir, exist_ok=True)
+  """Starts the processes and supervises them (``log_dir`` made); returns the exit status."""
   coordinator = f'127.0.0.1:{free_port()}'
   print(f'launch.local: {num} processes x {per_process} CPU devices, coordinator '
         f'{coordinator}, logs in {log_dir}/', flush=True)
@@ -186,21 +214,33 @@ def _stop(procs: list[Process]) -> None:
 
 def main(argv=None) -> int:
   args, command = parse_args(argv)
+  workdir = workdir_of(command)
+  try:  # before anything is started or written
+    if '://' in workdir:
+      raise ValueError(f'--workdir {workdir}: launch.local keeps the logs in WORKDIR/logs, '
+                       'which needs a local path')
+    cfg = load_config(command)
+    if cfg is None and args.devices_per_process is None:
+      raise ValueError('the command has no --config, so pass --devices_per_process')
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   per_process = args.devices_per_process
   if per_process is None:
-    try:
-      total = config_devices(command)
-    except ValueError as e:
-      print(f'error: {e}', file=sys.stderr)
-      return 2
+    total = config_devices(cfg)
     if total % args.num_processes:
       print(f'error: the config asks for {total} devices, not divisible by '
             f'--num_processes={args.num_processes}; pass --devices_per_process',
             file=sys.stderr)
       return 2
     per_process = total // args.num_processes
-  return launch(args.num_processes, per_process, command,
-                os.path.join(workdir_of(command), 'logs'))
+  log_dir = os.path.join(workdir, 'logs')
+  try:
+    os.makedirs(log_dir, exist_ok=True)
+  except OSError as e:  # the workdir is a file, or not ours to write
+    print(f'error: cannot make {log_dir}: {e.strerror}', file=sys.stderr)
+    return 2
+  return launch(args.num_processes, per_process, command, log_dir)
 
 
 if __name__ == '__main__':

@@ -162,6 +162,39 @@ def _port():
   return local.free_port()
 
 
+def test_launch_local_reads_the_command_as_the_trainer_does(tmp_path, monkeypatch, capsys):
+  """``--config.k v`` as trainer.train reads it; a value the trainer would refuse is one line
+  and exit 2 before anything starts or is written (no logs/ left in the workdir)."""
+  from launch import local  # pylint: disable=import-outside-toplevel
+  started = []
+  monkeypatch.setattr(local, 'launch', lambda *a: started.append(a) or 0)
+  run = tmp_path / 'run'
+  base = ['--num_processes', '2', '--', *TRAIN, '--workdir', str(run)]
+  assert local.main([*base, '--config.mesh.tensor', '1', '--config.steps', '3']) == 0
+  assert started[0][:2] == (2, 1)  # data=2 x tensor=1: one device each
+  assert os.path.isdir(run / 'logs')
+  run = tmp_path / 'bad'
+  base = ['--num_processes', '2', '--', *TRAIN, '--workdir', str(run)]
+  for bad, message in ((['--config.steps', '0'], 'steps=0 must be at least 1'),
+                       (['--config.optimizer.warmup_steps=-1'], 'warmup_steps=-1'),
+                       (['--config.no_such_key', '1'], 'unknown config key: config.no_such_key')):
+    assert local.main([*base, *bad]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith('error: ') and message in err, err
+  assert len(started) == 1 and not run.exists()
+  (tmp_path / 'file').write_text('')
+  assert local.main(['--num_processes', '1', '--devices_per_process', '1', '--', 'true',
+                     '--workdir', str(tmp_path / 'file')]) == 2
+  assert capsys.readouterr().err.startswith(f'error: cannot make {tmp_path / "file" / "logs"}')
+  with pytest.raises(SystemExit) as e:
+    local.main(['--num_processes', '2', '--devices_per_process', '0', '--', 'true'])
+  assert e.value.code == 2
+  assert capsys.readouterr().err == 'error: --devices_per_process=0 must be at least 1\n'
+  assert local.trainer_args(['python', '-m', 'trainer.train', '--config=a.py', '--workdir', 'w',
+                             '--config.steps', '10', '--config.seed=1', '--config', 'b.py']) == (
+                                 'b.py', 'w', ['--config.steps', '10', '--config.seed=1'])
+
+
 def test_bad_distributed_settings_exit_2(tmp_path, capsys):
   from trainer import train  # pylint: disable=import-outside-toplevel
   code = train.main(['--config', DEFAULT, '--workdir', str(tmp_path / 'x'),
