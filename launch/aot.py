@@ -38,8 +38,9 @@ parallelism/hardware.py), as a user would train:
 * ``maxtext`` (not run by default): ``xla`` with the default threshold only,
   what MaxText runs; ``benchmarks.calibrate`` compiles it.
 
-Bad input (config, override, topology, mesh that does not match the chip count)
-exits with status 2 and one line; a failed compile with status 1.
+Bad input (config, override, topology, mesh that does not match the chip count,
+an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
+before anything compiles; a failed compile with status 1.
 """
 
 from __future__ import annotations
@@ -171,6 +172,20 @@ def _check(cfg: Config, chips: int) -> dict:
           'tokens_per_step': cfg.batch_size * cfg.seq_len, 'remat': cfg.model.remat,
           'model_flops_per_step': metrics.flops_per_token(model.cfg, cfg.seq_len)
                                   * cfg.batch_size * cfg.seq_len}
+
+
+def make_hlo_dir(path: str, *subdirs: str) -> None:
+  """Makes ``--hlo_dir`` before the first compile (the workers write there after theirs,
+  ``subdirs`` too); raises ConfigError when it cannot be."""
+  for p in (path, *(os.path.join(path, d) for d in subdirs)):
+    if os.path.exists(p) and not os.path.isdir(p):
+      raise ConfigError(f'--hlo_dir {path}: {p} is a file, not a directory')
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f'--hlo_dir {path}: cannot make it ({e.strerror})') from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise ConfigError(f'--hlo_dir {path}: not writable')
 
 
 # ---- one variant, in its own process ---------------------------------------------
@@ -520,6 +535,12 @@ def main(argv=None) -> int:
   if importlib.util.find_spec('libtpu') is None and not ranking_only:
     print(f'error: libtpu (the TPU compiler) is not installed: {INSTALL_HINT}', file=sys.stderr)
     return 2
+  if args.hlo_dir and not ranking_only:  # last: made only when something will compile
+    try:
+      make_hlo_dir(args.hlo_dir, *(['attention_xla'] if cfg.model.attention != 'xla' else []))
+    except ConfigError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
   if args.search:
     def compile_layout(extra):
       cfg_l, _, _, _, _, info_l = load(args, overrides + extra)

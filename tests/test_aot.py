@@ -58,6 +58,23 @@ def test_bad_input_is_one_line_and_exit_2(args, expected, capsys):
   assert line.startswith('error: ') and expected in line, line
 
 
+def test_an_hlo_dir_that_cannot_be_made_is_refused_before_compiling(tmp_path, monkeypatch,
+                                                                   capsys):
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(aot.importlib.util, 'find_spec',  # as if libtpu were installed
+                      lambda name, *a: object() if name == 'libtpu' else find_spec(name, *a))
+  monkeypatch.setattr(aot, 'run_variant', lambda *a: pytest.fail('compiled'))
+  (tmp_path / 'file').write_text('')
+  (tmp_path / 'dir').mkdir()
+  (tmp_path / 'dir' / 'attention_xla').write_text('')  # where the attention=xla HLO goes
+  for hlo_dir, expected in ((tmp_path / 'file', 'is a file, not a directory'),
+                            (tmp_path / 'file' / 'sub', 'cannot make it'),
+                            (tmp_path / 'dir', 'attention_xla is a file')):
+    assert aot.main(['--config', DENSE_10B, '--hlo_dir', str(hlo_dir)]) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f'error: --hlo_dir {hlo_dir}: ') and expected in line, line
+
+
 def test_memory_total_is_arguments_outputs_temporaries_minus_aliased():
   stats = types.SimpleNamespace(argument_size_in_bytes=5, output_size_in_bytes=5,
                                 temp_size_in_bytes=20, alias_size_in_bytes=4,
