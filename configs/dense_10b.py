@@ -8,10 +8,13 @@ weights and AdamW state, remat 'minimal' (projection outputs kept). The smallest
 of the paper's model sizes (Wang et al., ASPLOS 2023: 10B to 1T parameters).
 
 The layout is the layout search's best (`python -m launch.aot --config
-configs/dense_10b.py --search`): 63.4% modeled MFU for every variant, against
-52.4% (baseline) and 55.1% (ours) at fsdp=32 x tensor=4 with full remat. It has
-no tensor axis, so there is nothing for the rings to decompose: at 10B on 128
-chips, FSDP plus data parallelism beats tensor parallelism (docs/paper_scale.md).
+configs/dense_10b.py --search`): 75.0% modeled MFU for every variant (`python -m
+benchmarks.report --only aot --configs dense_10b`, docs/benchmarks.md). When the
+search chose it, before the step model's nested-slice fix, it modeled 63.4%,
+against 55.1% for ours at the earlier fsdp=32 x tensor=4 with full remat; those
+were not re-run (docs/paper_scale.md). It has no tensor axis, so there is
+nothing for the rings to decompose: at 10B on 128 chips, FSDP plus data
+parallelism beats tensor parallelism (docs/paper_scale.md).
 
 Nothing here runs on this machine's CPU; compile it for the TPU slice ahead of
 time (needs the tpu extra) and read memory fit and the modeled step time:
