@@ -12,8 +12,9 @@ step times can differ):
 * batch: 6 sequences per chip (global 384), not MaxText's 7: at 7 the TPU
   compiler refuses our program (100.3 GiB of temporaries against 95.74 GiB
   usable, with the splash kernel; 109.6 GiB with attention='xla'); at 6 it
-  compiles (memory_analysis() then totals 101 GiB per chip, above the usable
-  figure, yet the compiler compiled it, and the model reads that program);
+  compiles (memory_analysis() then totals 99.4 GiB per chip, docs/calibration.json's
+  memory_gib, above the usable figure, yet the compiler compiled it, and the model
+  reads that program);
 * sharding: our residual stream is sequence-parallel over ``tensor`` where
   MaxText shards its embed dimension over ``tensor``;
 * MaxText feeds iota embeddings (``use_iota_embed``) and reuses one example
