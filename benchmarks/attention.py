@@ -16,20 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
-
-from trainer import runtime
-
-runtime.configure_host(1, platform='cpu')
-
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-from models.attention import attend_blockwise  # pylint: disable=wrong-import-position
-from models.transformer import attend  # pylint: disable=wrong-import-position
 
 
 def measure(fn, args, repeats: int) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   grad = jax.jit(jax.grad(lambda q, k, v, seg: jnp.sum(fn(q, k, v, seg) ** 2), argnums=(0, 1, 2)))
   compiled = grad.lower(*args).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
@@ -42,6 +35,18 @@ def measure(fn, args, repeats: int) -> dict:
   return {'temp_bytes': temp, 'median_seconds': statistics.median(times)}
 
 
+def check(args) -> str | None:
+  """What is wrong with the arguments, in one line; None when nothing is."""
+  for name in ('seq', 'block', 'heads', 'head_dim', 'repeats'):
+    if getattr(args, name) < 1:
+      return f'--{name}={getattr(args, name)} must be at least 1'
+  if args.seq < 4:
+    return f'--seq={args.seq} must be at least 4 (four packed documents)'
+  if args.seq % args.block:
+    return f'--seq {args.seq} is not a multiple of --block {args.block}'
+  return None
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog='python -m benchmarks.attention', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,9 +57,18 @@ def main(argv=None) -> int:
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--json', action='store_true')
   args = parser.parse_args(argv)
-  if args.seq % args.block:
-    print(f'error: --seq {args.seq} is not a multiple of --block {args.block}')
+  error = check(args)
+  if error:
+    print(f'error: {error}', file=sys.stderr)
     return 2
+  # pylint: disable=g-import-not-at-top
+  from trainer import runtime
+  runtime.configure_host(1, platform='cpu')  # before JAX starts: after the checks
+  import jax
+  import jax.numpy as jnp
+  from models.attention import attend_blockwise
+  from models.transformer import attend
+  # pylint: enable=g-import-not-at-top
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   shape = (1, args.seq, args.heads, args.head_dim)
   q, k, v = (jax.random.normal(key, shape, jnp.float32) for key in keys)

@@ -86,6 +86,9 @@ def main(argv=None):
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--small_only', action='store_true', help='skip the 1B-class cases')
   args = parser.parse_args(argv)
+  if args.repeats < 1:  # before JAX starts
+    print(f'error: --repeats={args.repeats} must be at least 1', file=sys.stderr)
+    return 2
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   from trainer import runtime  # pylint: disable=g-import-not-at-top

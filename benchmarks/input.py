@@ -27,7 +27,12 @@ default config's rate and >= 0.8x the memmap reader; peak RSS over the large
 corpus within 300 MB of the small one's. Each reader reads its epoch
 ``--repeats`` times, alternated with the other, and the median is reported
 (this shared machine's rates vary by a third between runs). The corpora stay in ``--workdir``
-for the next run with ``--keep``; else it is deleted at the end.
+for the next run with ``--keep``; else what this run wrote there is deleted at the end, and
+the directory itself when this run made it (what was there before, such as corpora an
+earlier run kept, stays).
+
+Bad arguments exit 2 with one line ``error: ...``, before anything is written (a shape
+larger than the large corpus's training split: once that corpus is prepared).
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import argparse
 import contextlib
 import glob
 import json
+import math
 import multiprocessing
 import os
 import random
+import re
 import resource
 import shutil
 import sys
@@ -48,6 +55,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BYTES = 1 << 20  # text of the small corpus: 2 MB of uint16 tokens
 PART_BYTES = 128 << 20  # text per JSONL file
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
+
+
+class TooSmall(Exception):
+  """The large corpus holds less than one batch of a shape: bad input, exit status 2."""
 
 
 def write_text(directory: str, total: int) -> None:
@@ -153,6 +164,9 @@ def measure(args) -> dict:
   for shape in args.shapes:
     batch_size, seq_len = map(int, shape.split('x'))
     batches = tokens // (batch_size * seq_len)  # one epoch of the large corpus
+    if batches < 1:
+      raise TooSmall(f'--gib {args.gib:g} gives {tokens:,} training tokens, less than one '
+                       f'batch of --shapes {shape}')
     print(f'{shape}: reading {batches:,} batches, {args.repeats} times each', file=sys.stderr)
     readers = {'pipeline': (run_pipeline, 0), 'pipeline_prefetch': (run_pipeline, None),
                'memmap': (run_memmap,)}
@@ -164,7 +178,8 @@ def measure(args) -> dict:
     if shape == args.shapes[0]:
       runs['pipeline_small'] = _fresh(run_pipeline, small, batch_size, seq_len, batches)
     out['shapes'][shape] = runs
-  out['default_config_tokens_per_sec'] = _fresh(default_config_rate, args.workdir)
+  out['default_config_tokens_per_sec'] = _fresh(  # reads no checkpoints, writes nothing
+      default_config_rate, os.path.join(args.workdir, 'train_step'))
   return out
 
 
@@ -201,6 +216,36 @@ def report(out: dict) -> str:
   return '\n'.join(lines)
 
 
+def check(args) -> str | None:
+  """What is wrong with the arguments, in one line; None when nothing is."""
+  least = 2 * SMALL_BYTES / 2**30  # GiB of tokens: the small corpus's
+  if not (math.isfinite(args.gib) and args.gib >= least):
+    return f'--gib {args.gib:g} must be finite and at least {least:g} (the small corpus)'
+  for shape in args.shapes:
+    m = re.fullmatch(r'(\d+)x(\d+)', shape)
+    if not m or min(map(int, m.groups())) < 1:
+      return f'--shapes {shape!r} is not BATCHxSEQ_LEN with both at least 1 (e.g. 16x256)'
+  if args.repeats < 1:
+    return f'--repeats={args.repeats} must be at least 1'
+  if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+    return f'--workdir {args.workdir} is a file, not a directory'
+  return None
+
+
+def remove_made(workdir: str, before: set[str] | None) -> None:
+  """Deletes what this run made in ``workdir``: the names not in ``before`` (what was there
+  when it started), or the whole directory when ``before`` is None (the run made it)."""
+  if before is None:
+    shutil.rmtree(workdir, ignore_errors=True)
+    return
+  for name in sorted(set(os.listdir(workdir)) - before):
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      os.remove(path)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--workdir', default='/tmp/ringtrain_input')
@@ -212,13 +257,21 @@ def main(argv=None) -> int:
   parser.add_argument('--json', action='store_true')
   parser.add_argument('--keep', action='store_true', help='keep the corpora in --workdir')
   args = parser.parse_args(argv)
+  error = check(args)
+  if error:
+    print(f'error: {error}', file=sys.stderr)
+    return 2
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  before = set(os.listdir(args.workdir)) if os.path.isdir(args.workdir) else None
   try:
     out = measure(args)
+  except TooSmall as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   finally:
     if not args.keep:
-      shutil.rmtree(args.workdir, ignore_errors=True)
+      remove_made(args.workdir, before)
   print(json.dumps(out, indent=1) if args.json else report(out))
   return 0
 

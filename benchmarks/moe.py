@@ -96,6 +96,11 @@ def main(argv=None) -> int:
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--chunks', type=int, nargs='+', default=[2, 4])
   args = parser.parse_args(argv)
+  bad = [f'--repeats={args.repeats}'] if args.repeats < 1 else []
+  bad += [f'--chunks {c}' for c in args.chunks if c < 1]
+  if bad:  # before JAX starts
+    print(f'error: {bad[0]} must be at least 1', file=sys.stderr)
+    return 2
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   from trainer import runtime  # pylint: disable=g-import-not-at-top

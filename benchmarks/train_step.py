@@ -50,6 +50,9 @@ def main(argv=None) -> int:
   parser.add_argument('--json', action='store_true')
   parser.add_argument('--repeats', type=int, default=3)
   args = parser.parse_args(argv)
+  if args.repeats < 1:  # before JAX starts
+    print(f'error: --repeats={args.repeats} must be at least 1', file=sys.stderr)
+    return 2
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   from trainer import runtime  # pylint: disable=g-import-not-at-top
