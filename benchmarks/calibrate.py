@@ -229,6 +229,9 @@ def main(argv=None) -> int:
   args, overrides = parse_args(argv)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # this process models; workers compile
   paths = [p.strip() for p in args.configs.split(',') if p.strip()]
+  if not paths:
+    print(f'error: --configs {args.configs!r} names no config', file=sys.stderr)
+    return 2
   writes_doc = not overrides and not args.topology and args.configs == ','.join(CONFIGS)
   if writes_doc and importlib.util.find_spec('matplotlib') is None:
     print("error: docs/calibration.png needs matplotlib: pip install -e '.[plot]'",
@@ -238,6 +241,8 @@ def main(argv=None) -> int:
     try:
       # every row's config and overrides, before the first compile
       checked = [check_row(path, args, overrides, args.hlo_dir or tmp) for path in paths]
+      if args.hlo_dir:  # made before the first compile (its workers write there after theirs)
+        aot.make_hlo_dir(args.hlo_dir, *(_name(p) for p in paths))
       rows = [compile_row(c, overrides, f'{i + 1}/{len(paths)}') for i, c in enumerate(checked)]
     except (ConfigError, RuntimeError) as e:  # bad input exits 2, a compiler refusal 1
       print(f'error: {e}', file=sys.stderr)

@@ -54,3 +54,15 @@ def test_a_bad_override_is_refused_before_anything_compiles(capsys, monkeypatch)
   assert 'steps=0' in _error_line(capsys)
   assert calibrate.main(['--rows', 'nope']) == 2
   assert 'unrecognized argument: --rows' in _error_line(capsys)
+
+
+def test_no_configs_and_an_unusable_hlo_dir_are_refused_before_anything_compiles(
+    capsys, monkeypatch, tmp_path):
+  monkeypatch.setattr(calibrate, 'compile_row', lambda *a: pytest.fail('compiled'))
+  for configs in ('', ' , '):
+    assert calibrate.main(['--configs', configs]) == 2
+    assert f'--configs {configs!r} names no config' in _error_line(capsys)
+  (tmp_path / 'file').write_text('')
+  assert calibrate.main(['--configs', calibrate.CONFIGS[0], '--hlo_dir',
+                         str(tmp_path / 'file')]) == 2
+  assert 'is a file, not a directory' in _error_line(capsys)
