@@ -7,7 +7,8 @@ Every number comes from a command run now, in a subprocess:
 * CPU benchmarks (``CPU_BENCHMARKS``): the cost of decomposed collective
   einsums per einsum shape, the train-step time with and without them, and the
   tokens/s and MFU of a short run of configs/default.py.
-* With libtpu (the ``tpu`` extra): ``python -m launch.aot --json`` for each
+* With libtpu (the ``tpu`` extra; without it only ``--only cpu`` or ``--render``
+  run): ``python -m launch.aot --json`` for each
   paper-scale config (``AOT_CONFIGS``: the four on their TPU v4 slices, then on
   v5p slices of as many chips at layouts searched there, ``configs/v5p.py``):
   per-chip memory against HBM, compile time, and the modeled step time, exposed
@@ -711,7 +712,7 @@ def render(results: dict) -> str:
     lines += render_aot(results['aot'], paths)
   else:
     lines += ['## Paper-scale configs on TPU v4 and v5p', '',
-              f'Not run: {results.get("aot_skipped", "libtpu is not installed")}.', '']
+              'Not run (it needs libtpu).', '']
   return '\n'.join(lines).rstrip() + '\n'
 
 
@@ -756,6 +757,11 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  if not args.render and args.only != 'cpu' and importlib.util.find_spec('libtpu') is None:
+    # Not a page without its TPU part: results.json keeps what an earlier run compiled.
+    print("error: the paper-scale part compiles TPU programs, which needs libtpu (pip install "
+          "-e '.[tpu]'); --only cpu measures the CPU part alone", file=sys.stderr)
+    return 2
   path = os.path.join(OUT, 'results.json')
   previous = {}
   if args.render:
@@ -775,14 +781,9 @@ def main(argv=None) -> int:
     results['meta']['CPU benchmarks'] = _meta()
     results['cpu'] = measure_cpu()
   if args.only in (None, 'aot'):
-    if importlib.util.find_spec('libtpu') is None:
-      results['aot'] = {}
-      results['aot_skipped'] = "libtpu is not installed (pip install -e '.[tpu]')"
-      progress(f'aot: skipped, {results["aot_skipped"]}')
-    else:
-      fresh = measure_aot(args.configs or AOT_CONFIGS)
-      results['aot'] = {name: fresh.get(name, results['aot'].get(name)) for name in AOT_CONFIGS
-                        if name in fresh or name in results['aot']}
+    fresh = measure_aot(args.configs or AOT_CONFIGS)
+    results['aot'] = {name: fresh.get(name, results['aot'].get(name)) for name in AOT_CONFIGS
+                      if name in fresh or name in results['aot']}
   os.makedirs(OUT, exist_ok=True)
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(results, f, indent=1)

@@ -170,6 +170,20 @@ def test_a_readme_without_the_block_stops_the_report_before_it_measures(tmp_path
   assert readme.read_text() == 'no block\n'
 
 
+@pytest.mark.parametrize('only', [['--only', 'aot'], []])
+def test_without_libtpu_the_tpu_part_is_refused_before_anything_is_measured(monkeypatch, capsys,
+                                                                            only):
+  real = report.importlib.util.find_spec
+  monkeypatch.setattr(report.importlib.util, 'find_spec',
+                      lambda name: None if name == 'libtpu' else real(name))
+  monkeypatch.setattr(report, 'measure_cpu', lambda: pytest.fail('measured'))
+  monkeypatch.setattr(report, 'measure_aot', lambda names: pytest.fail('compiled'))
+  monkeypatch.setattr(report, 'OUT', '/nonexistent/never/written')
+  assert report.main(only) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith('error: ') and 'needs libtpu' in err and '\n' not in err, err
+
+
 def test_the_default_run_is_printed_as_it_runs():
   """The page's command is the one default_run runs (a placeholder for its temporary
   workdir), and the machine is the one recorded when measured, not the one rendering."""
