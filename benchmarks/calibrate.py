@@ -163,6 +163,22 @@ def table(rows: list[Row]) -> list[str]:
   return lines
 
 
+def memory_note(rows: list[Row]) -> str:
+  """Which rows' programs need more memory per chip than a chip gives one program."""
+  gib = lambda r: hardware.TPU_PREFIXES[r.topology.split(':')[0]].usable_hbm_bytes / 2**30
+  over = [r for r in rows if r.memory_gib > gib(r)]
+  text = ' '.join(
+      f'The {_name(r.config)} row\'s program needs {r.memory_gib:.1f} GiB per chip (the GiB/chip '
+      f'column, the compiler\'s `memory_analysis()`), above the {gib(r):.2f} GiB a '
+      f'{r.topology.split(":")[0]} chip gives one program (`launch.aot` would mark it DOES NOT '
+      'FIT); the compiler compiled it all the same, and the model reads that program (its '
+      'config\'s docstring says why).' for r in over)
+  fit = len(rows) - len(over)
+  if not over:
+    return '**Memory.** Every row\'s program fits a chip.'
+  return f'**Memory.** {text} ' + (f'The other {fit} fit.' if fit else '')
+
+
 def findings(rows: list[Row], worst: float) -> str:
   """What the errors say, from their signs and size."""
   errors = [r.modeled['error_points'] for r in rows]
@@ -203,7 +219,7 @@ def write_doc(rows: list[Row], chip: step_model.Chip) -> None:
            'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the schedule waits for transfers; '
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
-           findings(rows, worst), '',
+           findings(rows, worst), '', memory_note(rows), '',
            'Differences between our programs and MaxText\'s that remain are listed in each '
            "config's docstring (configs/calibration/).", '']
   with open(DOC, 'w', encoding='utf-8') as f:

@@ -34,6 +34,12 @@ def test_a_row_is_modeled_from_its_program_and_compared_with_the_measurement():
   twice = dataclasses.replace(row, model_flops_per_chip=2e11).model(chip)
   assert twice['mfu'] == pytest.approx(2 * m['mfu'])
   assert m['matmul_at_peak_seconds'] <= m['compute_seconds'] <= m['step_seconds']
+  assert calibrate.memory_note([row]) == "**Memory.** Every row's program fits a chip."
+  big = dataclasses.replace(row, memory_gib=99.4)
+  assert calibrate.memory_note([big, row]).startswith(
+      "**Memory.** The maxtext_32b_v5p row's program needs 99.4 GiB per chip")
+  assert 'above the 95.74 GiB a v5p chip' in calibrate.memory_note([big, row])
+  assert calibrate.memory_note([big, row]).endswith('The other 1 fit.')
   lines = calibrate.table([row])
   assert lines[0].startswith('| config |') and 'maxtext_32b_v5p' in lines[2]
 
