@@ -163,6 +163,7 @@ def rotary(x_btnh: jax.Array, positions_bt: jax.Array, theta: float):
 
 RESIDUAL = ('batch', 'residual_length', 'embed')
 CACHE = ('batch', 'cache_length', 'kv_heads', 'head_dim')  # one layer's keys or values
+LAYERS = 'layers'  # the logical axis scanned layers' weights are stacked along
 
 
 class Attention(nnx.Module):
@@ -373,7 +374,7 @@ class Transformer(nnx.Module):
 
       @nnx.split_rngs(splits=cfg.num_layers // cfg.layers_per_unit)
       @nnx.vmap(in_axes=0, out_axes=0,
-                transform_metadata={nnx.PARTITION_NAME: 'layers'})
+                transform_metadata={nnx.PARTITION_NAME: LAYERS})
       def make_blocks(rngs):
         return unit(rngs)
       self.blocks = make_blocks(rngs)
@@ -424,7 +425,7 @@ class Transformer(nnx.Module):
                        f'moe.num_experts={cfg.moe.num_experts} (MoE layers route whole '
                        'sequences with a capacity, which a token at a time does not reproduce)')
     shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = self.ops.constrain(jnp.zeros(shape, cfg.dtype), ('layers',) + CACHE)
+    zeros = self.ops.constrain(jnp.zeros(shape, cfg.dtype), (LAYERS,) + CACHE)
     return {'k': zeros, 'v': zeros}
 
   def decode(self, tokens_bt, index, cache):

@@ -117,3 +117,21 @@ def test_bfloat16_first_moment_halves_it_and_stays_close_to_float32():
   assert ref[-1] < ref[0] - 0.5  # it learns, and bf16's first moment learns alike
   np.testing.assert_allclose(got, ref, rtol=1e-2)  # 0.3% apart after 12 steps here
   assert not np.allclose(got[1:], ref[1:], rtol=0, atol=0)  # the option is not a no-op
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_weight_decay_applies_to_matrices_only_scanned_or_not(scan):
+  """A scanned model's norm scales are stacked ('layers', 'norm'): still not matrices."""
+  cfg = TransformerConfig(vocab_size=64, d_model=16, num_layers=2, num_heads=2,
+                          num_kv_heads=2, head_dim=8, mlp_dim=32, max_seq_len=16,
+                          scan_layers=scan)
+  params = nnx.state(Transformer(cfg, nnx.Rngs(0)), nnx.Param)
+  tx, _ = optim.make_optimizer(Optimizer(**OPT | {'weight_decay': 0.5, 'warmup_steps': 0}), 10)
+  zeros = jax.tree.map(jnp.zeros_like, params)  # no gradient: only the decay moves a weight
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  moved = {jax.tree_util.keystr(path): bool(jnp.any(u != 0)) for path, u in
+           jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(updates))}
+  scales = {k for k in moved if k.endswith("['scale']")}
+  assert len(scales) == (3 if scan else 5)  # attn_norm, mlp_norm (stacked or per layer), final
+  assert not any(moved[k] for k in scales), moved
+  assert all(moved[k] for k in moved if k not in scales), moved

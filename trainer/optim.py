@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
+from models.transformer import LAYERS
 from trainer.config import Optimizer
 
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'rsqrt')
@@ -52,11 +56,23 @@ def _after_warmup(opt_cfg: Optimizer, steps: int, warmup: int) -> optax.Schedule
   return optax.constant_schedule(peak)  # constant, and wsd without a decay
 
 
+def decay_mask(params) -> Any:
+  """True for the matrices of ``params`` (an nnx.State): weights with two or more logical
+  axes besides the scanned layers' stacking axis, so that a scanned model's norm scales,
+  ``('layers', 'norm')``, are not decayed where an unscanned model's ``('norm',)`` are not.
+  A leaf without logical axes counts its dimensions."""
+  def matrix(leaf) -> bool:
+    axes = getattr(leaf, 'out_sharding', None) if isinstance(leaf, nnx.Variable) else None
+    if axes is None:
+      return jnp.ndim(leaf[...] if isinstance(leaf, nnx.Variable) else leaf) >= 2
+    return sum(a != LAYERS for a in axes) >= 2
+  return jax.tree.map(matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_optimizer(opt_cfg: Optimizer,
                    steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Returns (optimizer, schedule). Weight decay applies to matrices only."""
+  """Returns (optimizer, schedule). Weight decay applies to matrices only (``decay_mask``)."""
   schedule = learning_rate_schedule(opt_cfg, steps)
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   parts = []
   if opt_cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(opt_cfg.grad_clip))
