@@ -88,6 +88,24 @@ def test_an_update_that_overflows_is_not_finite():
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_skipped_update_keeps_the_moments_and_advances_the_schedule():
+  """The learning rate of step k stays schedule(k), as logged, after skipped updates."""
+  tx, schedule = optim.make_optimizer(Optimizer(**OPT | {'grad_clip': 0.0}), 20)
+  graphdef, state, batch = _tiny(tx)
+  poisoned = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), state.params)
+  step = jax.jit(make_train_step(graphdef, tx, 0.0, 1, skip_nonfinite=True))
+  kept, m = step(TrainState(state.step, poisoned, state.opt_state), batch)
+  assert int(m['skipped']) == 1
+  counts = lambda s: [x for x in jax.tree.leaves(
+      s, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+      if isinstance(x, optax.ScaleByScheduleState)]
+  [clock] = counts(kept.opt_state)
+  assert int(clock.count) == int(kept.step) == 1  # the schedule's clock moved with the step
+  adam = kept.opt_state[0][0]
+  assert int(adam.count) == 0 and not any(np.any(x) for x in jax.tree.leaves(adam.mu))
+  assert float(schedule(int(clock.count))) > float(schedule(0))  # warming up: it matters
+
+
 def test_flops_per_token_formula():
   cfg = TransformerConfig(vocab_size=10, d_model=4, num_layers=2, num_heads=2,
                           num_kv_heads=1, head_dim=3, mlp_dim=5)

@@ -78,7 +78,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                **{f'moe_{k}': v for k, v in moe_stats.items()}}
     if skip_nonfinite:
       keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-      params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+      # The LR schedule's clock advances all the same: it stays ``state.step``, the step the
+      # metrics log the learning rate of, and the schedule ends at ``steps``.
+      clock = lambda x: isinstance(x, optax.ScaleByScheduleState)
+      params = keep(params, state.params)
+      opt_state = jax.tree.map(lambda n, o: n if clock(n) else keep(n, o), opt_state,
+                               state.opt_state, is_leaf=clock)
       metrics['skipped'] = 1 - ok.astype(jnp.int32)
     return TrainState(state.step + 1, params, opt_state), metrics
 
