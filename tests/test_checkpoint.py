@@ -70,7 +70,11 @@ def test_resume_refuses_another_model(tmp_path, capsys):
   # Other data would not continue the batches the checkpoint's position counts.
   assert _main(tmp_path / 'run', '--config.steps=4', '--config.data.path=synthetic') == 2
   err = capsys.readouterr().err.strip()
-  assert "(data path: '' in the checkpoint, 'synthetic' now)" in err, err
+  assert "(data path: '' in the checkpoint, 'synthetic' now; data tokens: " in err, err
+  # A larger held-out split would move tokens between training and evaluation.
+  assert _main(tmp_path / 'run', '--config.steps=4', '--config.data.eval_fraction=0.2') == 2
+  err = capsys.readouterr().err.strip()
+  assert 'data eval_fraction: 0.1 in the checkpoint, 0.2 now' in err, err
 
 
 def test_init_from_loads_params_only_onto_another_mesh(tmp_path):

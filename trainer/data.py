@@ -235,7 +235,10 @@ def _load_in_memory(data_cfg: DataConfig, vocab_size: int, seed: int) -> Data:
     raise ValueError(f'data.eval_fraction={data_cfg.eval_fraction} is not in (0, 1)')
   split = int(len(tokens) * (1 - data_cfg.eval_fraction))
   train, held = _split_stream(tokens, None if byte_level else counts, bounds_of(lengths), split)
-  identity = {'path': path, 'sampling': 'windows'}
+  # The split moves with the token count (tokenizer, bin_dtype) and eval_fraction: a resume
+  # with either changed would train on tokens held out before, at other window offsets.
+  identity = {'path': path, 'sampling': 'windows', 'tokens': int(len(tokens)),
+              'eval_fraction': data_cfg.eval_fraction}
   return Data((train,), (1.0,), held, False, byte_level, eos, desc, identity)
 
 

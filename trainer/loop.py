@@ -146,7 +146,10 @@ def train(run) -> dict:
       metrics_lib.trim(run.workdir, s.start_step)
     clock.lap('setup')
     with _preemption_signal() as preempted:
-      return _loop(run, s, train_step, ckpt, policy, preempted, (flops_tok, peak), log, clock)
+      try:
+        return _loop(run, s, train_step, ckpt, policy, preempted, (flops_tok, peak), log, clock)
+      finally:  # a SIGTERM while the last save is written is still ours, not a kill
+        ckpt.wait()
   finally:
     ckpt.wait()
     ckpt.close()

@@ -142,8 +142,9 @@ def _data_differences(stored: dict | None, run: Run) -> list[str]:
   now = pipeline.identity(run.corpus, run.cfg.batch_size, run.cfg.seq_len)
   if stored is None:  # written before checkpoints recorded it
     return []
-  return [f'data {k}: {stored.get(k)!r} in the checkpoint, {now.get(k)!r} now'
-          for k in sorted(set(stored) | set(now)) if stored.get(k) != now.get(k)]
+  # A key the checkpoint lacks was added after it was written: compared where recorded.
+  return [f'data {k}: {stored[k]!r} in the checkpoint, {now.get(k)!r} now'
+          for k in sorted(stored) if stored[k] != now.get(k)]
 
 
 def _check_workdir(workdir: str | None) -> None:
