@@ -164,6 +164,10 @@ def rotary(x_btnh: jax.Array, positions_bt: jax.Array, theta: float):
 RESIDUAL = ('batch', 'residual_length', 'embed')
 CACHE = ('batch', 'cache_length', 'kv_heads', 'head_dim')  # one layer's keys or values
 LAYERS = 'layers'  # the logical axis scanned layers' weights are stacked along
+# The splash kernel's blocks: batch rows and heads, whole sequences. The kernel pairs each
+# device's query heads with its own key/value heads by position, so the two must be split
+# alike (trainer/validation.py checks the rules).
+SPLASH_Q, SPLASH_KV = ('batch', None, 'heads', None), ('batch', None, 'kv_heads', None)
 
 
 class Attention(nnx.Module):
@@ -239,7 +243,7 @@ class Attention(nnx.Module):
 
   def _splash(self, q_btnh, k_btkh, v_btkh, segments_bt):
     """The splash kernel on each device's batch rows and heads, whole sequences."""
-    q_axes, kv_axes = ('batch', None, 'heads', None), ('batch', None, 'kv_heads', None)
+    q_axes, kv_axes = SPLASH_Q, SPLASH_KV
     kernel = functools.partial(attend_splash, block=self.cfg.attention_block,
                                interpret=self.cfg.splash_interpret)
     return self.ops.local(kernel, q_btnh, k_btkh, v_btkh, segments_bt,

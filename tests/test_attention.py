@@ -166,3 +166,22 @@ def test_splash_on_a_sharded_model_matches_xla(devices):
   np.testing.assert_allclose(a, b, rtol=1e-5)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize('kv_rule, refused', [(['kv_heads', 'tensor'], False),
+                                              (['kv_heads', None], True)])
+def test_splash_needs_heads_and_kv_heads_split_alike(kv_rule, refused):
+  """Each device's kernel pairs its query heads with its own key/value heads by position:
+  heads split over tensor with key/value heads whole would pair them wrongly, silently."""
+  from trainer import config as config_lib, state, validation  # pylint: disable=import-outside-toplevel
+  rules = [['batch', 'data'], ['heads', 'tensor'], kv_rule, ['mlp', 'tensor']]
+  cfg = config_lib.load(DEFAULT, [*TINY, '--config.model.attention=splash',
+                                  f'--config.mesh.logical_axis_rules={rules!r}'])
+  params = state.abstract_model(cfg.transformer()).params
+  shape = dict(data=2, fsdp=1, tensor=4, expert=1)
+  if not refused:
+    validation.check_layout(cfg, shape, params)
+    return
+  with pytest.raises(ValueError, match=r"split 'heads' over \('tensor',\) and 'kv_heads' over "
+                                       r"none; split both alike"):
+    validation.check_layout(cfg, shape, params)

@@ -15,6 +15,7 @@ import types
 from typing import Any
 
 from models import attention
+from models.transformer import SPLASH_KV, SPLASH_Q
 from parallelism import hardware, sharding
 from trainer import optim
 from trainer.config import Config
@@ -142,4 +143,12 @@ def check_layout(cfg: Config, mesh_shape: dict, params: Any) -> None:
     if slots % split:
       raise ValueError(f'moe capacity {slots} slots (seq_len={cfg.seq_len}, moe.capacity_factor='
                        f'{moe.capacity_factor}) is not divisible by {axes}={split}')
+  if cfg.model.attention == 'splash':
+    q, kv = (sharding.logical_to_spec(a, rules)[2] for a in (SPLASH_Q, SPLASH_KV))
+    split = lambda e: tuple(a for a in sharding.axes_of(e) if mesh.shape[a] > 1)
+    if split(q) != split(kv):
+      raise ValueError(f"model.attention='splash' pairs each device's query heads with its "
+                       f"own key/value heads: the rules split 'heads' over {split(q) or 'none'}"
+                       f" and 'kv_heads' over {split(kv) or 'none'}; split both alike in "
+                       "mesh.logical_axis_rules, or use model.attention='xla' or 'blockwise'")
   sharding.check_divisible(params, sharding.state_specs(params, rules), mesh)
