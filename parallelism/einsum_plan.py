@@ -109,6 +109,8 @@ def classify_axis(eq: Equation, axis: str, lhs: dict, rhs: dict, out: dict) -> A
     holder = lhs if owner == 'lhs' else rhs
     if axis in holder.get(wo, ()):
       return AxisPlan(axis, 'unsupported', reason='scattered output dim is already sharded')
+    if wo in eq.lhs and wo in eq.rhs:  # the ring slices one operand along it, not both
+      return AxisPlan(axis, 'unsupported', reason=f'scattered dim {wo} is in both operands')
     return AxisPlan(axis, 'reducescatter', letter=wl, out_letter=wo)
   if _consistent(wl, wr, wo, eq):
     return AxisPlan(axis, 'pass')
@@ -121,7 +123,8 @@ def classify_axis(eq: Equation, axis: str, lhs: dict, rhs: dict, out: dict) -> A
     if g in contracting:
       if wo is None or wo == o:
         return AxisPlan(axis, 'allgather_contracting', gathered=side, letter=g)
-    elif g != wo and (wo is None or wo == o):
+    elif g != wo and (wo is None or wo == o) and g not in (eq.rhs if side == 'lhs' else eq.lhs):
+      # (a batch dim of both operands would pass block by block against the other whole)
       return AxisPlan(axis, 'allgather_free', gathered=side, letter=g)
   return AxisPlan(axis, 'unsupported',
                   reason=f'{axis} on lhs {wl}, rhs {wr}, out {wo} fits no decomposed pattern')

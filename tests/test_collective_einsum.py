@@ -262,6 +262,24 @@ def test_cost_model_choices():
   assert est.seconds['none'] - est.compute_seconds <= est.seconds['bidirectional']
 
 
+@pytest.mark.parametrize('equation, specs', [
+    ('bd,bf->bdf', (P(T, None), P(None, T), P(None, None, T))),  # gathering a shared dim
+    ('bc,bc->b', (P(None, T), P(None, T), P(T))),                 # scattering a shared dim
+])
+def test_a_ring_along_a_dim_of_both_operands_is_refused(equation, specs):
+  """A ring slices one operand along its letter: the other holds it whole, so each step's
+  einsum would not match (it used to be planned, then fail when traced)."""
+  eq, [plan] = einsum_plan.plan(equation, *specs)
+  assert plan.kind == 'unsupported', plan
+  lhs, rhs = (jax.random.normal(jax.random.key(i), [32] * len(l))
+              for i, l in enumerate((eq.lhs, eq.rhs)))
+  kw = dict(mesh=_mesh(4), lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2])
+  with pytest.raises(ValueError, match=f'cannot decompose {equation} with mode'):
+    collective_einsum(equation, lhs, rhs, mode='unidirectional', **kw)
+  out = collective_einsum(equation, lhs, rhs, mode='auto', **kw)  # the compiler's collectives
+  np.testing.assert_allclose(out, jnp.einsum(equation, lhs, rhs), rtol=1e-5, atol=1e-5)
+
+
 def test_cost_model_formula_by_hand():
   from parallelism import hardware
   profile = hardware.HardwareProfile('toy', 1e12, 'toy', 1e9, 1, 0.0, True)
