@@ -802,3 +802,151 @@ def test_even_bidirectional_ring_sends_the_opposite_block_in_halves(pattern):
   block = max(sizes[+1])
   assert sorted(sizes[+1]) == sorted(sizes[-1]), sizes  # the same transfers each way
   assert [s for s in sizes[+1] if s != block] == [block // 2], sizes  # one of them a half
+
+
+# ------------------------------------- odd rings, and ring forms the property test misses
+
+def _ring_mesh(tensor: int, fsdp: int = 1):
+  """A mesh of ``tensor`` x ``fsdp`` of the 8 devices: odd rings (3, 5) need fewer."""
+  return mesh_lib.make_mesh(dict(data=1, fsdp=fsdp, tensor=tensor, expert=1, dcn_data=1,
+                                 dcn_fsdp=1, dcn_tensor=1, dcn_expert=1),
+                            jax.devices()[:tensor * fsdp])
+
+
+def _permute_sizes(f, *args, mesh):
+  """The bytes of each permute the compiled ``f`` runs (every ring step its own on CPU), by
+  the direction data moves along tensor: +1 to the next device, -1 back."""
+  module = hlo_text.parse(jax.jit(f).lower(*args).compile().as_text())
+  sizes = {+1: [], -1: []}
+  permutes = [i for instrs in module.computations.values() for i in instrs
+              if i.opcode.removesuffix('-start') == 'collective-permute']
+  for ins, offset in zip(permutes, hlo_text.permute_offsets(module, mesh, T)):
+    sizes[+1 if offset == 1 else -1].append(hlo_text.shape_bytes(ins.shape))
+  return sizes
+
+
+def _assert_ring_matches_einsum(eq, ls, rs, os_, mesh, x, w, mode, **kw):
+  """Values and both gradients of the decomposed einsum against the plain one."""
+  f = lambda a, b: collective_einsum(eq, a, b, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                     out_spec=os_, mode=mode, **kw)
+  np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
+  _assert_gradients_match_einsum(f, eq, x, w)
+  return f
+
+
+@pytest.mark.parametrize('n', [3, 5])
+@pytest.mark.parametrize('pattern', [PATTERNS[0], PATTERNS[2], PATTERNS[3]],
+                         ids=lambda p: p[4])
+def test_odd_rings_match_einsum(pattern, n):
+  # An odd ring has no opposite device: bidirectional, the last round holds the blocks
+  # +-(n-1)/2 (all-gather: ring.py's n_right == n_left branch, one einsum for both) or
+  # sends both accumulators (n-1)/2 hops (reduce-scatter), no halves; unidirectional,
+  # n - 1 steps one way. The gradients' rings (transposed kinds) run odd too.
+  eq, ls, rs, os_, kind = pattern
+  mesh = _ring_mesh(n)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdf', 1))
+  x = jax.random.normal(jax.random.key(0), lhs_shape)
+  w = jax.random.normal(jax.random.key(1), rhs_shape)
+  assert explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                 out_spec=os_, mode='bidirectional').collective == kind
+  for mode in ('unidirectional', 'bidirectional'):
+    f = _assert_ring_matches_einsum(eq, ls, rs, os_, mesh, x, w, mode)
+    sizes = _permute_sizes(f, x, w, mesh=mesh)
+    # whole blocks only; bidirectional: (n-1)/2 each way, unidirectional: n-1 one way
+    assert len(set(sizes[+1] + sizes[-1])) == 1, sizes
+    want = ((n - 1) // 2,) * 2 if mode == 'bidirectional' else (n - 1, 0)
+    assert (len(sizes[+1]), len(sizes[-1])) in (want, want[::-1]), (mode, sizes)
+
+
+@pytest.mark.parametrize('n', [4, 8])
+@pytest.mark.parametrize('pattern', [PATTERNS[2], PATTERNS[6]], ids=lambda p: p[0])
+def test_even_bidirectional_rings_match_einsum(pattern, n):
+  # The property test draws bidirectional rings of 4 or 8 for few patterns (at n = 2 a
+  # bidirectional ring is the unidirectional one): the contracting all-gather and the
+  # reduce-scatter over two contracted dims, with the opposite block in halves.
+  eq, ls, rs, os_, _ = pattern
+  mesh = _mesh(n, data=1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 1))
+  x = jax.random.normal(jax.random.key(0), lhs_shape)
+  w = jax.random.normal(jax.random.key(1), rhs_shape)
+  _assert_ring_matches_einsum(eq, ls, rs, os_, mesh, x, w, 'bidirectional')
+
+
+def test_even_bidirectional_ring_without_an_even_dim_sends_the_opposite_block_whole():
+  # Every local block [3, 3]: no dim to halve (ring.halves_dim is None), so the opposite
+  # device's block travels whole one way: the reduce-scatter forward, the contracting
+  # all-gather of x's gradient and the free all-gather of w's all take ring.py's fallback.
+  eq, ls, rs, os_ = 'bf,fd->bd', P(None, T), P(T, None), P(None, T)
+  mesh = _mesh(4, data=1)
+  x = jax.random.normal(jax.random.key(0), (3, 12))
+  w = jax.random.normal(jax.random.key(1), (12, 12))
+  f = _assert_ring_matches_einsum(eq, ls, rs, os_, mesh, x, w, 'bidirectional')
+  sizes = _permute_sizes(f, x, w, mesh=mesh)
+  assert set(sizes[+1] + sizes[-1]) == {3 * 3 * 4}, sizes  # whole fp32 blocks, no halves
+  assert sorted(map(len, sizes.values())) == [1, 2], sizes  # two transfers one way
+
+
+@pytest.mark.parametrize('n', [3, 5])
+def test_cost_model_odd_bidirectional_ring_by_hand(n):
+  # No opposite block: (n-1)/2 rounds of two blocks through one einsum, both directions
+  # each carrying one block a round.
+  from parallelism import hardware  # pylint: disable=import-outside-toplevel
+  profile = hardware.HardwareProfile('toy', 1e12, 'toy', 1e9, 1, 0.0, True)
+  mesh = jax.sharding.AbstractMesh((1, n), (D, T))
+  eq, plans = einsum_plan.plan('bd,df->bf', P(T, None), P(None, T), P(None, T))
+  plan = next(p for p in plans if p.axis == T)
+  size = 16 * n
+  est = cost_model.estimate(eq, plan, (size, size), (size, size), 'float32', mesh, profile)
+  c, t = 2 * size ** 3 / n / 1e12 / n, size * size / n * 4 / 1e9
+  assert est.step_compute_seconds == pytest.approx(c)
+  assert est.step_transfer_seconds == pytest.approx(t)
+  assert est.seconds['unidirectional'] == pytest.approx(c + (n - 1) * max(c, t))
+  assert est.seconds['bidirectional'] == pytest.approx(c + (n - 1) // 2 * max(2 * c, t))
+
+
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+def test_float32_ring_dtype_gradients_of_bf16_operands(mode):
+  # ring_dtype='float32' carries the gradients' partial sums in fp32 too: w's gradient (a
+  # contracting all-gather ring, 8 steps of partial sums) is within one bf16 rounding of
+  # the fp32 gradient, and at least as close as under 'compute' (each step's sum rounded
+  # to bf16); x's gradient (a free all-gather, no partial sums) is the same under both.
+  eq, ls, rs, os_ = 'btf,fd->btd', P(D, None, T), P(T, None), P(D, T, None)
+  mesh = _mesh(8, 1)
+  x = jax.random.normal(jax.random.key(0), (2, 64, 512)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), (512, 64)).astype(jnp.bfloat16)
+  loss = lambda fn: lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * weights((2, 64, 64)))
+  ref = jax.grad(loss(lambda a, b: jnp.einsum(eq, a.astype(jnp.float32),
+                                              b.astype(jnp.float32))), argnums=(0, 1))(x, w)
+  errors = {}
+  for ring_dtype in ('compute', 'float32'):
+    f = lambda a, b, r=ring_dtype: collective_einsum(
+        eq, a, b, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, mode=mode, ring_dtype=r)
+    grads = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+    assert [g.dtype for g in grads] == [jnp.bfloat16] * 2
+    errors[ring_dtype] = [_rel(g, r) for g, r in zip(grads, ref)]
+  assert max(errors['float32']) < 5e-3, errors
+  assert errors['float32'][0] == errors['compute'][0], errors
+  assert errors['float32'][1] <= errors['compute'][1], errors
+
+
+@pytest.mark.parametrize('tensor, mode', [(4, 'unidirectional'), (3, 'unidirectional'),
+                                          (3, 'bidirectional')])
+def test_data_gradient_ring_hands_on_its_cotangent_in_any_ring(tensor, mode):
+  # keeps_cotangent beside a weight gradient over fsdp (as in the test above, there at 4
+  # bidirectional): the data gradient's all-gather ring writes each cotangent block that
+  # passes into the whole one, unidirectional or odd too; values and gradients as a plain
+  # einsum's, and the weight's gather over fsdp is the only all-gather.
+  mesh = _ring_mesh(tensor, fsdp=2)
+  eq, ls, rs, os_ = 'btf,fd->btd', P(B, None, T), P(T, F), P(B, T, None)
+  x = jax.random.normal(jax.random.key(0), (4, 4 * tensor, 8 * tensor))
+  w = jax.random.normal(jax.random.key(1), (8 * tensor, 8))
+  assert keeps_cotangent(Equation.parse(eq), T, (ls, rs, os_), mesh)
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode=mode)
+  d = dataclasses.replace(d, backward=('ring', 'ring'), backward_over=(None, (F, mode)))
+  f = lambda a, b: run_decision(d, a, b, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
+  np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
+  _assert_gradients_match_einsum(f, eq, x, w)
+  loss = lambda a, b: jnp.sum(f(a, b) * weights((4, 4 * tensor, 8)))
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+  assert _collectives(hlo)['all-gather'] == 1
