@@ -91,20 +91,39 @@ def setups(tmp_path_factory):
   return out
 
 
-def test_gradients_agree_at_step_0(setups):
-  grads = {}
-  for policy, (_, s) in setups.items():
-    batch = s.get_batch(0)
+def _step_0_gradients(s):
+  """The parameter gradients of the first batch's loss under setup ``s``."""
+  batch = s.get_batch(0)
 
-    def loss(params, s=s, batch=batch):
-      logits = nnx.merge(s.graphdef, params)(batch['inputs'], batch['positions'],
-                                             batch['segments'])
-      return step.cross_entropy(logits, batch['targets'], 0.0)[0]
+  def loss(params):
+    logits = nnx.merge(s.graphdef, params)(batch['inputs'], batch['positions'],
+                                           batch['segments'])
+    return step.cross_entropy(logits, batch['targets'], 0.0)[0]
 
-    grads[policy] = jax.block_until_ready(jax.jit(jax.grad(loss))(s.state.params))
-  for a, b in zip(jax.tree.leaves(grads['always']), jax.tree.leaves(grads['never'])):
+  return jax.block_until_ready(jax.jit(jax.grad(loss))(s.state.params))
+
+
+def _assert_gradients_agree(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     a, b = np.asarray(a), np.asarray(b)
     assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b) + 1e-12
+
+
+def test_gradients_agree_at_step_0(setups):
+  grads = {policy: _step_0_gradients(s) for policy, (_, s) in setups.items()}
+  _assert_gradients_agree(grads['always'], grads['never'])
+
+
+def test_bidirectional_gradients_agree_at_step_0(setups, tmp_path):
+  # parallelism.direction=bidirectional: every decomposed layer's rings (tensor=4, an
+  # even ring: the opposite block in halves) and their gradients' give the plain step's
+  # gradients.
+  run = _run(tmp_path, '--config.parallelism.collective_matmul=always',
+             '--config.parallelism.direction=bidirectional')
+  s = loop.setup(run)
+  modes = {d.mode for d, _ in s.ops.plan.values()}
+  assert 'bidirectional' in modes and 'unidirectional' not in modes, modes
+  _assert_gradients_agree(_step_0_gradients(s), _step_0_gradients(setups['never'][1]))
 
 
 def test_compiled_step_has_no_tensor_collective_in_decomposed_layers(setups):
