@@ -195,6 +195,26 @@ def test_top2_gates_are_renormalized():
   np.testing.assert_allclose(r.combine_btec[0, 0, :, 0], [0, 2 / 7, 5 / 7], rtol=1e-6)
 
 
+def test_top2_slots_fill_with_first_choices_before_second_choices():
+  # Two tokens, two experts A and B: t0 prefers A (0.6, 0.4), t1 prefers B (0.3, 0.7).
+  # Every expert's slots take all first choices (in token order), then second choices:
+  # with one slot each, t0 -> A and t1 -> B and both second choices drop (filled token by
+  # token, t0's second choice would take B's slot and t1's first choice would drop).
+  logits = jnp.log(jnp.array([[[0.6, 0.4], [0.3, 0.7]]]))
+  r = route(logits, top_k=2, capacity=1)
+  np.testing.assert_array_equal(r.dispatch_btec[0, :, :, 0], [[1, 0], [0, 1]])
+  np.testing.assert_allclose(r.combine_btec[0, :, :, 0], [[0.6, 0], [0, 0.7]], rtol=1e-6)
+  np.testing.assert_allclose(r.dropped, 0.5)
+  np.testing.assert_allclose(r.load_e, [0.5, 0.5])  # before capacity: 2 of 4 each
+  # With two slots nothing drops: each expert's first choice in slot 0, the other token's
+  # second choice in slot 1.
+  r = route(logits, top_k=2, capacity=2)
+  np.testing.assert_array_equal(r.dispatch_btec[0], [[[1, 0], [0, 1]], [[0, 1], [1, 0]]])
+  np.testing.assert_allclose(r.combine_btec[0], [[[0.6, 0], [0, 0.4]], [[0, 0.3], [0.7, 0]]],
+                             rtol=1e-6)
+  np.testing.assert_allclose(r.dropped, 0.0)
+
+
 def test_moe_small_trains_through_the_cli(tmp_path, capsys):
   workdir = tmp_path / 'moe'
   code = train.main(['--config', MOE_SMALL, '--workdir', str(workdir), '--config.steps=30',
