@@ -103,7 +103,8 @@ PROFILES = {p.name: p for p in (
                     platform='tpu', device_kind=r'TPU v4',
                     tpu=TpuSlice('v4', 'megacore', (2, 2, 1)),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
-    # v5p: 95 GiB HBM; 95.74 GiB usable per program (the compiler's figure).
+    # v5p: the data sheet's "95 GB" of HBM2e is below what the compiler gives one program,
+    # 95.74 GiB (its own figure in out-of-memory messages), which is what decides a fit.
     HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip', 90e9, 1, 2e-6, True,
                     hbm_bandwidth=2.765e12, usable_hbm_bytes=95.74 * GIB,
                     platform='tpu', device_kind=r'TPU v5p?',
