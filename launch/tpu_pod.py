@@ -133,6 +133,8 @@ def main(argv=None) -> int:
         what = ' '.join(cmd[:5]) if cmd[0] == 'gcloud' else cmd[0]
         why = ('' if args.stop else
                ': the command was not run' if cmd is not steps[-1] else
+               ': stopped by SIGTERM (preempted, or --stop) after saving; launch the same '
+               'command again to continue' if status == 143 else
                ': the command failed on a worker (its [w<n>] lines above, its log in '
                f'~/{REMOTE_DIR}/logs/ there), or gcloud could not run it')
         print(f'error: {what} exited with status {status}{why}', file=sys.stderr)

@@ -117,6 +117,9 @@ def test_a_command_failing_on_a_worker_fails_the_launch(tmp_path, monkeypatch, c
                                                        'exited with status 3'), err
   log = tmp_path / 'home' / tpu_pod.REMOTE_DIR / 'logs' / 'worker_0.log'
   assert log.read_text() == 'training\n'
+  assert _run_on_the_worker('exit 143') == 143  # the trainer's status after a SIGTERM
+  err = capfd.readouterr().err
+  assert len(err.splitlines()) == 1 and 'stopped by SIGTERM (preempted, or --stop)' in err, err
   assert _run_on_the_worker('echo done') == 0
   assert capfd.readouterr().err == ''
 
