@@ -33,10 +33,10 @@ train: $(TRAIN_STAMP)
 	$(PY) -m trainer.train --config configs/default.py --workdir runs/default
 
 # Two pytest workers (pytest-xdist): most tests spend their time tracing and compiling on
-# one core.
+# one core. The slowest tests are listed at the end (the suite's budget is 15 minutes).
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 # 500 steps of the default config, synchronizing every step (see trainer/loop.py).
 soak: $(TRAIN_STAMP)
