@@ -18,8 +18,9 @@ data-parallel all-reduce) and the best ``--max_compiles`` are compiled, each
 variant in its own process as ``launch.aot`` does (a 500B search with the
 defaults, 18 compiles, took about 15 minutes on a 2-core machine). Prints
 progress, then one table (layout, estimated and compiled GiB per chip, fit,
-modeled MFU of each variant) and the best layout per variant. Everything but the
-compiler's memory figures is modeled.
+modeled MFU of each variant; each variant's own memory where the variants' differ) and
+the best layout per variant among those where that variant's program fits. Everything but
+the compiler's memory figures is modeled.
 ``--max_compiles 0`` compiles nothing (and needs no libtpu): it prints every
 surviving layout in rank order with its estimates, to choose how many to compile.
 
@@ -243,25 +244,37 @@ def ranking(kept) -> str:
 
 
 def table(rows, variants) -> str:
+  """The compiled layouts: each variant's memory (one GiB figure, or one per variant in
+  column order where they differ), fit and modeled MFU; the best layout per variant among
+  those where that variant's own program fits."""
   head = ['layout', 'est GiB', 'GiB/chip', 'fit'] + [f'{v} MFU' for v in variants]
-  lines, best = [], {}
+  lines, best, differ = [], {}, False
   for layout, estimate, _, s in rows:
     if s is None:
       lines.append([str(layout), f'{estimate / 2**30:.1f}', '-', 'compile failed'] +
                    ['-'] * len(variants))
       continue
-    mem = next(iter(s['variants'].values()))['memory']
-    cells = [str(layout), f'{estimate / 2**30:.1f}',
-             f"{mem['total'] / 2**30:.1f}" if 'total' in mem else '-', mem['fit']]
+    mems = {v: (s['variants'].get(v) or {}).get('memory') or {} for v in variants}
+    fits = {v: mems[v].get('fit') == 'FITS' for v in variants}
+    gib = [f"{m['total'] / 2**30:.1f}" if 'total' in m else '-' for m in mems.values()]
+    differ |= len(set(gib)) > 1
+    unfit = [v for v in variants if not fits[v]]
+    cells = [str(layout), f'{estimate / 2**30:.1f}', ' / '.join(gib) if len(set(gib)) > 1
+             else gib[0], 'FITS' if not unfit else 'DOES NOT FIT' if len(unfit) == len(variants)
+             else 'DOES NOT FIT: ' + ', '.join(unfit)]
     for v in variants:
       mfu = s['modeled'].get(v, {}).get('mfu')
-      cells.append(f'{mfu:.1%}' if mfu else '-')
-      if mfu and mem['fit'] == 'FITS' and mfu > best.get(v, (0, None))[0]:
+      cells.append((f'{mfu:.1%}' + ('' if fits[v] else ' (does not fit)')) if mfu else '-')
+      if mfu and fits[v] and mfu > best.get(v, (0, None))[0]:
         best[v] = (mfu, layout)
     lines.append(cells)
   out = aligned([head] + lines)
+  if differ:
+    out.append(f'(GiB/chip: compiled, per variant where they differ: {" / ".join(variants)})')
   out.append('(modeled MFU: the step model over each compiled program; not measured)')
   for v, (mfu, layout) in best.items():
     out.append(f'best for {v}: {layout} ({mfu:.1%} modeled MFU)')
+  for v in variants:
+    if v not in best:
+      out.append(f'best for {v}: none (its program fits at no compiled layout)')
   return '\n'.join(out)
-

@@ -273,3 +273,38 @@ def test_search_compiles_the_best_layouts_and_names_the_best():
   assert 'layouts in the grid' in proc.stderr and '[1/1] data=' in proc.stderr
   assert re.search(r'compiled 1 layout\(s\) x 1 variant\(s\) in \d+ s', proc.stderr)
   assert 'baseline MFU' in proc.stdout and 'best for baseline: data=' in proc.stdout
+
+
+def _compiled(totals: dict, mfus: dict, usable=30.75) -> dict:
+  """A search row's summary (as launch.aot's summarize gives it) from GiB and MFU per variant."""
+  gib = 2 ** 30
+  return {'variants': {v: {'memory': {'total': t * gib, 'usable_bytes': usable * gib,
+                                      'fit': 'FITS' if t <= usable else 'DOES NOT FIT'}}
+                       for v, t in totals.items()},
+          'modeled': {v: {'mfu': m} for v, m in mfus.items()}}
+
+
+def test_search_table_judges_each_variant_by_its_own_memory():
+  """Ours often needs more memory than the baseline (moe_1t: 30.12 GiB against 28.98): its
+  best layout is one where ours fits, whatever the baseline's memory there."""
+  from launch import search  # pylint: disable=import-outside-toplevel
+  variants = ['baseline', 'ours']
+  a, b = (search.Layout(1, 128, 8, 256, r) for r in ('minimal', 'save_dot_except_qkv'))
+  rows = [(a, 28e9, 0.7, _compiled({'baseline': 30.5, 'ours': 31.0},
+                                   {'baseline': 0.66, 'ours': 0.76})),
+          (b, 27e9, 0.6, _compiled({'baseline': 29.45, 'ours': 29.45},
+                                   {'baseline': 0.65, 'ours': 0.75})),
+          (a, 27e9, 0.5, None)]
+  out = search.table(rows, variants).splitlines()
+  cells = lambda line: re.split(r'\s{2,}', line)
+  assert cells(out[1])[2:] == ['30.5 / 31.0', 'DOES NOT FIT: ours', '66.0%',
+                               '76.0% (does not fit)']
+  assert cells(out[2])[2:] == ['29.4', 'FITS', '65.0%', '75.0%']  # one figure: the same
+  assert 'compile failed' in out[3]
+  assert '(GiB/chip: compiled, per variant where they differ: baseline / ours)' in out
+  assert f'best for baseline: {a} (66.0% modeled MFU)' in out
+  assert f'best for ours: {b} (75.0% modeled MFU)' in out  # not a, where ours does not fit
+  rows[1] = (b, 27e9, 0.6, _compiled({'baseline': 29.45, 'ours': 31.2},
+                                     {'baseline': 0.65, 'ours': 0.75}))
+  assert 'best for ours: none (its program fits at no compiled layout)' in search.table(
+      rows, variants)
