@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
-from trainer import data, prepare, train
+from trainer import data, prepare, tokenizer, train
 
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
 
@@ -178,3 +178,61 @@ def test_quick_start_prepare_train_resume_evaluate(tmp_path, capsys):
   assert evaluate.main(['--checkpoint', str(tmp_path / 'nowhere')]) == 2
   assert capsys.readouterr().err.strip() == (f'error: no such checkpoint path: '
                                              f'{tmp_path / "nowhere"}')
+
+
+def _prepare_jsonl(tmp_path, lines, spec):
+  """Prepares JSONL ``lines`` (held out: none) with ``spec``; returns (manifest, train split)."""
+  (tmp_path / 'in.jsonl').write_text(''.join(line + '\n' for line in lines))
+  assert _run('--input', tmp_path / 'in.jsonl', '--output', tmp_path / 'out', '--tokenizer',
+              spec, '--eval_fraction', '0') == 0
+  return data.open_prepared(str(tmp_path / 'out'), 'train')
+
+
+def test_a_document_that_tokenizes_to_nothing_is_skipped(tmp_path):
+  """Without an end-of-document token blank text has no tokens: the index has no place for it."""
+  spec = _word_tokenizer(tmp_path / 'tok', 10)
+  os.remove(tmp_path / 'tok' / 'tokenizer_config.json')  # '[END]' is no longer known as EOS
+  manifest, split = _prepare_jsonl(tmp_path, [json.dumps({'text': t}) for t in
+                                              ('doc1 doc2', '   ', 'doc3', '\t')], spec)
+  assert manifest['tokenizer']['eos_id'] is None
+  assert manifest['splits']['train']['documents'] == split.num_docs == 2
+  assert manifest['empty_documents_skipped'] == 2
+  assert split.tokens().tolist() == [3, 4, 5] and split.bounds.tolist() == [0, 2, 3]
+
+
+def test_a_lone_surrogate_is_tokenized_as_its_replacement(tmp_path):
+  """JSON can escape half a surrogate pair; the text tokenized is the UTF-8 that was hashed."""
+  spec = _word_tokenizer(tmp_path / 'tok', 10)
+  _, split = _prepare_jsonl(tmp_path, ['{"text": "doc1 \\ud83d doc2"}', '{"text": "doc3"}'],
+                            spec)
+  assert split.tokens().tolist() == [3, 0, 4, 1, 5, 1]  # '?' is unknown: [UNK]
+
+
+def test_token_ids_past_a_gap_in_the_vocabulary_are_kept(tmp_path):
+  """A vocabulary's largest id, not its token count, decides the corpus dtype."""
+  from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  tok = Tokenizer(models.WordLevel({'[UNK]': 0, '[END]': 1, 'near': 2, 'far': 70000},
+                                   unk_token='[UNK]'))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  (tmp_path / 'tok').mkdir()
+  tok.save(str(tmp_path / 'tok' / 'tokenizer.json'))
+  (tmp_path / 'tok' / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '[END]'}))
+  manifest, split = _prepare_jsonl(tmp_path, ['{"text": "near far"}'], str(tmp_path / 'tok'))
+  assert manifest['dtype'] == 'uint32' and manifest['tokenizer']['vocab_size'] == 70001
+  assert split.tokens().tolist() == [2, 70000, 1]
+
+
+def test_an_id_the_corpus_dtype_cannot_hold_is_refused(tmp_path, monkeypatch):
+  """Should a tokenizer give ids past its vocab_size, casting them would wrap them silently."""
+  class Lying(tokenizer.Tokenizer):
+    name, vocab_size, eos_id = 'lying', 300, 1
+
+    def encode_documents(self, texts):
+      return [(np.array([70000], np.int32), np.array([len(t)], np.int32)) for t in texts]
+
+  monkeypatch.setitem(prepare._TOKENIZER, 'lying', Lying())  # pylint: disable=protected-access
+  (tmp_path / 'in.txt').write_text('text')
+  unit = {'kind': 'text', 'files': [str(tmp_path / 'in.txt')], 'bytes': 4}
+  with pytest.raises(ValueError, match='^tokenizer lying gave token id 70000, more than the '
+                                       r'corpus dtype uint16 holds \(its vocab_size is 300\)$'):
+    prepare.work(0, unit, str(tmp_path), 'lying', 'text', 0.0, 'uint16')

@@ -215,20 +215,35 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
                             and not tok.byte_level) for s in data_lib.SPLITS}
   batches = {s: [] for s in data_lib.SPLITS}
   stats = {'documents': 0, 'empty': 0, 'bytes': unit['bytes']}
+
+  def flush(split):
+    ids, counts, lengths = data_lib.encode_documents(batches[split], tok)
+    batches[split] = []
+    if ids.size and int(ids.max()) > np.iinfo(dtype).max:  # astype would wrap it
+      raise ValueError(f'tokenizer {tok.name} gave token id {int(ids.max())}, more than the '
+                       f'corpus dtype {dtype} holds (its vocab_size is {tok.vocab_size})')
+    # Without an end-of-document token, a document can tokenize to nothing (blank text):
+    # it has no place in the index (bounds_of), so it is skipped like an empty one.
+    nothing = int((lengths == 0).sum())
+    stats['documents'] -= nothing
+    stats['empty'] += nothing
+    writers[split].write(ids, counts, lengths[lengths > 0])
+
   for doc in _documents(unit, field):
+    # UTF-8 without what cannot be encoded (a lone surrogate a JSON escape can hold):
+    # what is hashed is what is tokenized.
     raw = doc if isinstance(doc, bytes) else doc.encode('utf-8', errors='replace')
     if not raw:
       stats['empty'] += 1
       continue
     split = 'eval' if held_out(raw, fraction) else 'train'
-    batches[split].append(doc)
+    batches[split].append(raw)
     stats['documents'] += 1
     if len(batches[split]) == DOCS_PER_CALL:
-      writers[split].write(*data_lib.encode_documents(batches[split], tok))
-      batches[split] = []
+      flush(split)
   for split, writer in writers.items():
     if batches[split]:
-      writer.write(*data_lib.encode_documents(batches[split], tok))
+      flush(split)
     stats[split] = writer.close()
   _write_json(os.path.join(out, f'u-{index:05d}.json'), stats)  # last: the unit is done
   return stats
