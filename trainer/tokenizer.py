@@ -78,7 +78,9 @@ class HuggingFaceTokenizer(Tokenizer):
       raise ValueError(f'tokenizer {path} is not a Hugging Face tokenizer.json '
                        f'({str(e).splitlines()[0][:200]})') from None
     self.name = path
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    # The largest id + 1, what a model's embedding needs: get_vocab_size counts the tokens,
+    # fewer when the ids have gaps.
+    self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     self.eos_id = self._find_eos(os.path.join(os.path.dirname(path), 'tokenizer_config.json'))
 
   def _find_eos(self, config_file: str) -> int | None:
