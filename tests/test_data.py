@@ -129,3 +129,36 @@ def test_the_reference_command_answers_help_and_refuses_unknown_flags(capsys):
   with pytest.raises(SystemExit) as e:
     data.main(['--bogus'])
   assert e.value.code == 2 and 'unrecognized arguments: --bogus' in capsys.readouterr().err
+
+
+def test_token_files_refuse_negative_ids_and_a_bin_dtype_too_narrow(tmp_path):
+  padded = np.array([5, 6, 7, -100, -100], np.int32)  # loss-masking padding is not a token
+  np.save(tmp_path / 'p.npy', padded)
+  with pytest.raises(ValueError, match=r"^data.path='.*p.npy' has token id -100 < 0$"):
+    data.load(_cfg(str(tmp_path / 'p.npy')), 64, 0)
+  np.save(tmp_path / 'ok.npy', np.abs(padded) % 64)  # signed, all ids valid: loads
+  assert data.load(_cfg(str(tmp_path / 'ok.npy')), 64, 0).train[0].num_tokens == 4
+  wide = np.array([70000, 1, 69999, 2], np.uint32)  # as uint16, each half is < the vocab
+  wide.tofile(tmp_path / 'w.bin')
+  with pytest.raises(ValueError, match=r"^data.bin_dtype='uint16' holds ids < 65536 but "
+                                       r'model.vocab_size=70016: its .bin holds uint32 ids'):
+    data.load(_cfg(str(tmp_path / 'w.bin')), 70016, 0)
+  c = data.load(_cfg(str(tmp_path / 'w.bin'), bin_dtype='uint32', eval_fraction=0.5), 70016, 0)
+  np.testing.assert_array_equal(np.concatenate([c.train[0].tokens(), c.eval.tokens()]), wide)
+
+
+def test_a_prepared_index_that_is_not_the_shards_boundaries_is_damage(tmp_path):
+  from trainer import prepare  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'in.jsonl').write_text('{"text": "ab"}\n{"text": "cde"}\n{"text": "f"}\n')
+  out = str(tmp_path / 'out')
+  assert prepare.main(['--input', str(tmp_path / 'in.jsonl'), '--output', out,
+                       '--eval_fraction', '0', '--workers', '1']) == 0
+  idx = os.path.join(out, 'train-00000.idx')
+  assert np.fromfile(idx, np.int64).tolist() == [0, 3, 7, 9]
+  data.open_prepared(out, 'train')
+  for bad in ([1, 3, 7, 9], [0, 3, 7, 8], [0, 7, 3, 9], [0, 3, 3, 9]):
+    np.array(bad, np.int64).tofile(idx)  # the size the manifest says, the wrong numbers
+    with pytest.raises(ValueError, match=r"^data.path='.*' is damaged: train-00000.idx is not "
+                                         'document boundaries rising from 0 to 9, the tokens '
+                                         'its corpus.json says$'):
+      data.open_prepared(out, 'train')

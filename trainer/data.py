@@ -274,15 +274,22 @@ def _map_token_file(path: str, bin_dtype: str, vocab_size: int) -> np.ndarray:
   else:
     if bin_dtype not in ('uint16', 'uint32'):
       raise ValueError(f'data.bin_dtype={bin_dtype!r} is not uint16 or uint32')
+    if bin_dtype == 'uint16' and vocab_size > 2**16:  # read as uint16, uint32 ids look valid
+      raise ValueError(f"data.bin_dtype='uint16' holds ids < 65536 but model.vocab_size="
+                       f'{vocab_size}: its .bin holds uint32 ids (set data.bin_dtype=uint32)')
     tokens = np.memmap(path, dtype=bin_dtype, mode='r')
   if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f'data.path={path!r} is not a 1-D integer token array')
   if not tokens.size:
     raise ValueError(f'corpus is empty: {path} has 0 tokens')
-  if np.iinfo(tokens.dtype).max >= vocab_size:  # a pass over the file, in chunks
-    top = max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, tokens.size, 1 << 24))
-    if top >= vocab_size:
-      raise ValueError(f'data.path={path!r} has token id {top} >= '
+  signed = np.iinfo(tokens.dtype).min < 0  # padding such as -100 must not train as a token
+  if signed or np.iinfo(tokens.dtype).max >= vocab_size:  # a pass over the file, in chunks
+    chunks = [tokens[i:i + (1 << 24)] for i in range(0, tokens.size, 1 << 24)]
+    low, top = zip(*((int(c.min()) if signed else 0, int(c.max())) for c in chunks))
+    if min(low) < 0:
+      raise ValueError(f'data.path={path!r} has token id {min(low)} < 0')
+    if max(top) >= vocab_size:
+      raise ValueError(f'data.path={path!r} has token id {max(top)} >= '
                        f'model.vocab_size={vocab_size}')
   return tokens
 
@@ -323,6 +330,9 @@ def open_prepared(path: str, split: str, what: str = 'data.path') -> tuple[dict,
     shards.append(FileArray(_file(path, name + '.bin', dtype, n, what), dtype, n))
     index = np.fromfile(_file(path, name + '.idx', 'int64', shard['documents'] + 1, what),
                         np.int64)
+    if index[0] != 0 or index[-1] != n or not np.all(np.diff(index) > 0):
+      raise ValueError(f'{what}={path!r} is damaged: {name}.idx is not document boundaries '
+                       f'rising from 0 to {n}, the tokens its {MANIFEST} says')
     bounds.append(index[1:] + bounds[-1][-1])
     if with_counts:
       counts.append(FileArray(_file(path, name + '.bytes', 'int32', n, what), 'int32', n))
