@@ -25,17 +25,29 @@ the compiler's memory figures is modeled.
 surviving layout in rank order with its estimates, to choose how many to compile.
 
 Memory estimate per chip (bytes): parameters with AdamW moments and the
-gradient, ``16 N / (fsdp x tensor)`` (``14 N`` with a bfloat16 first moment);
-saved activations, per layer and per token of a model-parallel group,
-``2 d / tensor`` under ``full`` (the block's
+gradient, ``16 N / (fsdp x tensor)`` (``14 N`` with a bfloat16 first moment; ``4 N``
+more for the accumulated gradient with ``optimizer.grad_accum_steps`` above 1);
+saved activations, per layer and per token of a model-parallel group's microbatch
+(``batch / (data x fsdp x grad_accum_steps)`` sequences: the step scans the
+microbatches), ``2 d / tensor`` under ``full`` (the block's
 input, sequence-parallel), ``2 (2 d + q + k + v) / tensor`` under
 ``save_dot_except_mlp`` (with the q/k/v projections and the output projection's
 sequence-parallel output), ``2 (2 d + 2 mlp) / tensor`` under
 ``save_dot_except_qkv`` (the output projection's and gate/up's outputs) and
 ``2 (q + k + v + o + 2 mlp + d) / tensor`` under ``minimal`` (the projections'
 outputs); one layer's working set, four times
-the larger of its MLP and attention activations; and the fp32 attention
-logits of one layer, ``3 x 4 heads/tensor x seq^2`` per sequence.
+the larger of its MLP and attention activations; the fp32 attention logits of one
+layer, ``3 x 4 heads/tensor x seq x keys`` per sequence, with ``keys`` the sequence
+under ``model.attention='xla'``, one block under ``blockwise`` and none under a fused
+kernel (``splash``, which ``auto`` picks on a TPU, never holds them in HBM); the
+unembedding's fp32 logits, ``3 x 4 vocab / tensor`` per token; and FSDP's unsharded
+layer, ``FSDP_LAYER_BYTES`` (10) per parameter of one layer over ``tensor``: its bf16
+weights gathered twice (the layer computing and the next one's gather) and its gradient
+before the reduce-scatter in bf16 and fp32. Against compiled totals on v4 (GiB per chip,
+estimate / compiled): 500B fsdp=128 x tensor=8 at 256 sequences, ``save_dot_except_qkv``
+29.8 / 29.54, ``minimal`` 32.2 / 31.3; 64B data=8 x fsdp=64 at 1,024, ``full``,
+29.6 / 32.58 (25.8, 28.1 and 26.7 when the estimate charged the whole attention logits
+whatever the kernel and had neither of the last two terms).
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ import math
 import sys
 import time
 
+from models import attention
 from models.transformer import count_params
 from parallelism import hardware, step_model
 from trainer import metrics, validation
@@ -88,12 +101,34 @@ def grid(cfg, chips: int) -> list[Layout]:
   return out
 
 
+# Bytes per parameter of one layer, per tensor shard, that FSDP holds unsharded at once:
+# the layer's bf16 weights gathered twice (the layer computing and the next one's gather
+# in flight: 4) and its weight gradient before the reduce-scatter, as computed (bf16: 2)
+# and in the parameters' fp32 (4). The module docstring compares the estimate with
+# compiled totals; tests/test_aot.py pins one of them.
+FSDP_LAYER_BYTES = 10
+
+
+def attention_keys(model_cfg, seq_len: int) -> int:
+  """Key positions of the fp32 attention logits held per query (on a TPU): the whole
+  sequence for ``xla``, one block for ``blockwise``, none in HBM for a fused kernel
+  (``splash``, ``cudnn``; ``auto`` is splash on a TPU where it can run)."""
+  m = model_cfg
+  kind = m.attention
+  if kind == 'auto':
+    kind = attention.choose('auto', 'tpu', m.dtype, m.head_dim, seq_len, m.attention_block)
+  return {'xla': seq_len, 'blockwise': min(m.attention_block, seq_len)}.get(kind, 0)
+
+
 def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int,
-                    mu_bytes: int = 4) -> float:
+                    mu_bytes: int = 4, accum_steps: int = 1) -> float:
   """Bytes per chip (the module docstring's formula; an estimate, not the compiler's)."""
   m, t = model_cfg, layout.tensor
-  state = (12 + mu_bytes) * params / (layout.fsdp * t)
-  tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)
+  shards = layout.fsdp * t
+  state = (12 + mu_bytes + (4 if accum_steps > 1 else 0)) * params / shards
+  # Per microbatch: the step scans ``accum_steps`` of them (trainer/step.py).
+  seqs = layout.batch_size / (layout.data * layout.fsdp) / accum_steps
+  tokens = seqs * seq_len
   heads = m.num_heads * m.head_dim
   kv = m.num_kv_heads * m.head_dim
   per_token = 2 * {'full': m.d_model,
@@ -101,9 +136,11 @@ def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int,
                    'save_dot_except_qkv': 2 * m.d_model + 2 * m.mlp_dim,
                    'minimal': 2 * heads + 2 * kv + 2 * m.mlp_dim + m.d_model}[layout.remat] / t
   working = 4 * 2 * tokens * max(m.mlp_dim, heads + 2 * kv) / t
-  logits = 3 * 4 * (m.num_heads / t) * seq_len ** 2 * layout.batch_size / (
-      layout.data * layout.fsdp)
-  return state + m.num_layers * tokens * per_token + working + logits
+  logits = 3 * 4 * (m.num_heads / t) * seq_len * attention_keys(m, seq_len) * seqs
+  unembed = 3 * 4 * tokens * m.vocab_size / t
+  embeddings = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+  layer = FSDP_LAYER_BYTES * (params - embeddings) / m.num_layers / t
+  return state + m.num_layers * tokens * per_token + working + logits + unembed + layer
 
 
 def recompute_factor(model_cfg, remat: str) -> float:
@@ -188,7 +225,8 @@ def candidates(cfg, chips: int, profile, progress=print,
       continue
     model_cfg = trial.transformer()
     estimate = memory_estimate(model_cfg, n, layout, cfg.seq_len,
-                               2 if cfg.optimizer.mu_dtype == 'bfloat16' else 4)
+                               2 if cfg.optimizer.mu_dtype == 'bfloat16' else 4,
+                               cfg.optimizer.grad_accum_steps)
     if estimate > profile.usable_hbm_bytes:
       progress(f'  skip {layout}: estimated {estimate / 2**30:.1f} GiB per chip > '
                f'{profile.usable_hbm_bytes / 2**30:.2f} usable')
