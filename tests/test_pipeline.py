@@ -2,6 +2,7 @@
 
 import collections
 import json
+import threading
 
 import grain
 import numpy as np
@@ -158,3 +159,26 @@ def test_prefetcher_repositions_and_raises_in_the_callers_thread():
   assert ahead.get(20) == 400
   ahead.close()
   assert pipeline.Prefetcher(dataset, 0).get(9) == 81  # depth 0: built when asked
+
+
+def test_prefetcher_retries_a_step_whose_build_failed():
+  """The producer ends at an error; asking for the step again must not wait on it forever."""
+  failures = [1]
+
+  def build(k):
+    if k == 2 and failures:
+      failures.pop()
+      raise OSError('transient read error')
+    return k
+
+  ahead = pipeline.Prefetcher(grain.MapDataset.range(10).map(build), 2)
+  assert ahead.get(0) == 0 and ahead.get(1) == 1
+  with pytest.raises(OSError, match='transient'):
+    ahead.get(2)
+  got = []
+  retry = threading.Thread(target=lambda: got.append(ahead.get(2)), daemon=True)
+  retry.start()
+  retry.join(timeout=10)
+  assert got == [2], 'the retry waited on the stopped producer'
+  assert ahead.get(3) == 3 and ahead.next_index == 4
+  ahead.close()

@@ -255,7 +255,8 @@ class Prefetcher:
     if self._worker is None or index != self.next_index:
       self.start(index)
     ok, item = self._worker.queue.get()
-    if not ok:
+    if not ok:  # the producer has ended: asking again starts another (which may raise again)
+      self.close()
       raise item
     self.next_index = index + 1
     return item
