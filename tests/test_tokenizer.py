@@ -56,6 +56,10 @@ def test_round_trip_and_byte_counts(files, kind):
     assert tok.decode(ids) == text
     assert int(counts.sum()) == len(text.encode('utf-8')) and counts.min() >= 0
     assert ids.max() < tok.vocab_size
+    # trainer.prepare hands documents over as UTF-8 bytes: the same tokens as the text.
+    stream, _, lengths = data.encode_documents([text.encode('utf-8')], tok)
+    np.testing.assert_array_equal(stream, ids.tolist() + [tok.eos_id])
+    assert lengths.tolist() == [len(ids) + 1]
   if kind != 'bytes':  # a real vocabulary: fewer tokens than bytes
     assert len(tok.encode(TEXT)) < len(TEXT.encode('utf-8')) / 2
 
