@@ -124,15 +124,93 @@ def test_the_readme_summary_shows_each_config_and_each_targets_verdict():
   assert ('| dense_500b | `v4:8x8x16` | fsdp=128 x tensor=8 | 50.0% / 55.0% / 62.5% | 1.250x | '
           '1.125x | 1.086 |') in lines
   assert '| v5p:dense_500b | `v5p:8x8x16` |' in '\n'.join(lines)
-  assert 'the 2 configs on v4' in '\n'.join(lines)  # v5p rows are shown, not judged
+  # v5p rows are shown, not judged; the four v4 configs are, the two absent as not measured
+  assert 'the 4 configs on v4' in '\n'.join(lines)
   targets = [l for l in lines if l.startswith('- ')]
-  assert targets[0] == ('- ours >= 1.14x the baseline on three of four: not met (1 of 2; '
-                        'dense_10b 1.000x)')
-  assert targets[1] == '- ours >= 1.0x the baseline and >= xla on all: met'
+  assert targets[0] == ('- ours >= 1.14x the baseline on three of four: not met (1 of 4; '
+                        'dense_10b 1.000x, dense_64b not measured, moe_1t not measured)')
+  assert targets[1] == ('- ours >= 1.0x the baseline and >= xla on all: not met (dense_64b not '
+                        'measured, moe_1t not measured)')
   assert targets[2] == '- dense_500b ours MFU >= 72%: not met (62.5%)'
-  assert targets[3] == ("- ours' compute within 5% of the baseline's: not met (dense_500b "
-                        '1.086x, allows +0.350, ring non-matmul alone 1.1x that (additions '
-                        '0.86x); seconds a step)')
+  assert targets[3] == ("- ours' compute within 5% of the baseline's: not met (dense_64b not "
+                        'measured; dense_500b 1.086x, allows +0.350, ring non-matmul alone 1.1x '
+                        'that (additions 0.86x); moe_1t not measured; seconds a step)')
+
+
+def _four_configs():
+  """The four v4 configs, each ours 1.25x the baseline and 1.125x xla, all programs fitting."""
+  results = _summary_results()
+  for name in report.PAPER_CONFIGS:
+    results[name] = copy.deepcopy(results['dense_500b'])
+    results[name]['variants'] = {v: {'memory': {'total': 29.0 * 2 ** 30, 'fit': 'FITS'}}
+                                 for v in ('baseline', 'xla', 'ours')}
+  return results
+
+
+def _targets(results):
+  return [l for l in report.readme_summary(results) if l.startswith('- ')]
+
+
+def test_the_targets_count_missing_data_as_not_measured():
+  results = _four_configs()
+  assert _targets(results)[:2] == [
+      '- ours >= 1.14x the baseline on three of four: met (4 of 4)',
+      '- ours >= 1.0x the baseline and >= xla on all: met']
+  del results['moe_1t']  # three of three present is not three of four
+  del results['dense_64b']['modeled']['ours']['speedup_vs_xla']  # nor is xla unmeasured met
+  assert _targets(results)[:2] == [
+      '- ours >= 1.14x the baseline on three of four: met (3 of 4; moe_1t not measured)',
+      '- ours >= 1.0x the baseline and >= xla on all: not met (dense_64b xla not measured, '
+      'moe_1t not measured)']
+  del results['dense_10b']
+  assert _targets(results)[0] == ('- ours >= 1.14x the baseline on three of four: not met (2 of '
+                                  '4; dense_10b not measured, moe_1t not measured)')
+  del results['dense_500b']
+  assert _targets(results)[2] == '- dense_500b ours MFU >= 72%: not measured'
+
+
+def test_a_program_that_does_not_fit_counts_against_the_targets():
+  """Ours faster than the baseline counts only where both fit the chip; ours >= xla only
+  where xla fits too; the MFU and compute targets only where ours (and the baseline) fit."""
+  results = _four_configs()
+  results['dense_500b']['modeled']['ours'].update(mfu=0.75, compute_seconds=7.1)
+  results['dense_64b']['variants']['xla']['memory']['fit'] = 'DOES NOT FIT'
+  results['moe_1t']['variants']['baseline']['memory']['fit'] = 'DOES NOT FIT'
+  assert _targets(results) == [
+      '- ours >= 1.14x the baseline on three of four: met (3 of 4; moe_1t the baseline does '
+      'not fit)',
+      '- ours >= 1.0x the baseline and >= xla on all: not met (dense_64b xla does not fit, '
+      'moe_1t the baseline does not fit)',
+      '- dense_500b ours MFU >= 72%: met (75.0%)',
+      "- ours' compute within 5% of the baseline's: not met (dense_10b 1.086x, allows +0.350, "
+      'ring non-matmul alone 1.1x that (additions 0.86x); dense_64b 1.086x, allows +0.350, ring '
+      'non-matmul alone 1.1x that (additions 0.86x); moe_1t the baseline does not fit; seconds '
+      'a step)']
+  results['dense_500b']['variants']['ours']['memory']['fit'] = 'DOES NOT FIT'
+  targets = _targets(results)
+  assert targets[0].endswith('not met (2 of 4; dense_500b ours does not fit, moe_1t the '
+                             'baseline does not fit)')
+  assert targets[2] == '- dense_500b ours MFU >= 72%: not met (75.0%; ours does not fit)'
+  assert 'ours 75.0%, not met (ours does not fit)' in report.render_mfu_target(results)[0]
+  terms = '\n'.join(report.render_terms(results))
+  assert '| dense_500b (ours does not fit) | 1.250x |' in terms
+  assert '| dense_64b (xla does not fit) | 1.250x |' in terms
+  compute = [l for l in report.render_compute_terms(results) if l.startswith('| dense_500b ')]
+  assert compute[0].endswith('| not met (ours does not fit) |')  # met by its compute alone
+
+
+def test_a_value_short_of_its_target_never_prints_as_meeting_it():
+  assert report._shown(1.1396, 1.14) == '1.1396'  # not 1.140 among the failures
+  assert report._shown(1.1404, 1.14) == '1.140' and report._shown(1.1530, 1.14) == '1.153'
+  assert report._shown(1.0, 1.14) == '1.000'  # a failing value already clear: unchanged
+  assert report._shown(0.71996, 0.72, 1, percent=True) == '71.996%'
+  assert report._shown(0.751, 0.72, 1, percent=True) == '75.1%'
+  assert report._shown(1.0504, 1.05, above=True) == '1.0504'  # failing above its target
+  assert report._shown(1.1399999999, 1.14) == '1.139999'  # past 6 decimals: rounded down
+  results = _four_configs()
+  results['dense_64b']['modeled']['ours']['speedup_vs_baseline'] = 1.1396
+  assert _targets(results)[0].endswith('met (3 of 4; dense_64b 1.1396x)')
+  assert '| dense_64b | 1.1396x |' in '\n'.join(report.render_terms(results))
 
 
 def test_the_readme_block_is_rewritten_in_place(tmp_path):
