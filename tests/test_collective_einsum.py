@@ -338,14 +338,19 @@ def test_weight_gradient_sums_over_batch_axes_once_after_the_ring(devices):
   assert _executed(hlo) == 3
 
 
+def _bf16_down_projection():
+  """``btf,fd->btd`` over data x tensor=8 (an MLP's down projection) with bf16 operands:
+  (equation, lhs, rhs and out specs, mesh, lhs, rhs)."""
+  return ('btf,fd->btd', P(D, None, T), P(T, None), P(D, T, None), _mesh(8, 1),
+          jax.random.normal(jax.random.key(0), (2, 64, 512)).astype(jnp.bfloat16),
+          jax.random.normal(jax.random.key(1), (512, 64)).astype(jnp.bfloat16))
+
+
 @pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
 def test_reduce_scatter_accumulators_travel_in_the_compute_dtype(mode):
   # parallelism.ring_dtype: bf16 on the wire halves each step's bytes; every device
   # still adds in fp32, so the error stays that of bf16 rounding, bounded here.
-  eq, ls, rs, os_ = 'btf,fd->btd', P(D, None, T), P(T, None), P(D, T, None)
-  mesh = _mesh(8, 1)
-  lhs = jax.random.normal(jax.random.key(0), (2, 64, 512)).astype(jnp.bfloat16)
-  rhs = jax.random.normal(jax.random.key(1), (512, 64)).astype(jnp.bfloat16)
+  eq, ls, rs, os_, mesh, lhs, rhs = _bf16_down_projection()
   ref = jnp.einsum(eq, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
   outs, hlos = {}, {}
   for ring_dtype in ('compute', 'float32'):
@@ -910,10 +915,7 @@ def test_float32_ring_dtype_gradients_of_bf16_operands(mode):
   # contracting all-gather ring, 8 steps of partial sums) is within one bf16 rounding of
   # the fp32 gradient, and at least as close as under 'compute' (each step's sum rounded
   # to bf16); x's gradient (a free all-gather, no partial sums) is the same under both.
-  eq, ls, rs, os_ = 'btf,fd->btd', P(D, None, T), P(T, None), P(D, T, None)
-  mesh = _mesh(8, 1)
-  x = jax.random.normal(jax.random.key(0), (2, 64, 512)).astype(jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(1), (512, 64)).astype(jnp.bfloat16)
+  eq, ls, rs, os_, mesh, x, w = _bf16_down_projection()
   loss = lambda fn: lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * weights((2, 64, 64)))
   ref = jax.grad(loss(lambda a, b: jnp.einsum(eq, a.astype(jnp.float32),
                                               b.astype(jnp.float32))), argnums=(0, 1))(x, w)
