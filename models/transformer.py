@@ -99,6 +99,11 @@ class TransformerConfig:
   fused_projections: bool = False  # one einsum for q/k/v and one for gate/up
   moe: MoeConfig = MoeConfig()  # the ``moe.*`` group; dense when num_experts == 0
 
+  # How the step is computed, not which parameters or what result: a run may resume with
+  # these changed (another platform's attention kernel, more remat on a smaller mesh).
+  EXECUTION_ONLY = ('scan_unroll', 'cast_in_loop', 'remat', 'attention', 'attention_block',
+                    'splash_interpret', 'fused_projections')
+
   @classmethod
   def from_config(cls, cfg: Any, moe_cfg: Any = None) -> 'TransformerConfig':
     """From the ``model.*`` group (and ``moe.*``), or a checkpoint's model dict."""

@@ -203,3 +203,15 @@ def test_bad_input_exit_status_from_the_shell(tmp_path):
                          '--config.steps=x'], cwd=ROOT, capture_output=True, text=True,
                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
   assert proc.returncode == 2 and proc.stderr.strip().startswith('error: config.steps=')
+
+
+def test_a_run_resumes_with_another_way_of_computing_the_step(tmp_path, capsys):
+  """Execution-only settings (the attention kernel, remat) may change on resume, as moving
+  to another platform or a smaller mesh needs; the model itself may not."""
+  argv = ['--config', DEFAULT, '--workdir', str(tmp_path / 'run'), *TINY, '--config.steps=3',
+          '--config.eval_every=0', '--config.checkpoint.every=1']
+  assert train.main(argv + ['--config.stop_after=2']) == 0
+  capsys.readouterr()
+  assert train.main(argv + ['--config.model.attention=blockwise',
+                            '--config.model.remat=full']) == 0
+  assert 'resuming from step 2' in capsys.readouterr().out

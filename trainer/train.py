@@ -117,7 +117,7 @@ def _check_checkpoints(run: Run) -> int | None:
                                         lambda s: checkpoint.read_meta(directory, s))
     diff = [f'model.{k}: {meta["model"].get(k)!r} in the checkpoint, {v!r} now'
             for k, v in dataclasses.asdict(run.model_cfg).items()
-            if meta['model'].get(k) != v]
+            if meta['model'].get(k) != v and k not in run.model_cfg.EXECUTION_ONLY]
     if meta.get('seed') != cfg.seed:
       diff.append(f'seed: {meta.get("seed")} in the checkpoint, {cfg.seed} now')
     diff += _data_differences(meta.get('data', {}).get('stream'), run)
