@@ -22,11 +22,11 @@ peak:
   (``step_model.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
   the ring, the expert axis taken as one torus dimension, plus its latency);
 * ``single``: ``2a + T_c``;
-* ``chunked`` with C chunks, asynchronous all-to-alls (``async_all_to_all`` in
-  the hardware table: GPUs; the TPU compiler blocks on them): a three-stage pipeline
-  whose link is shared by both exchanges,
-  ``(2a + T_c) / C + (C-1)/C x max(T_c, 2a) + 2 (C-1) latency``;
-  otherwise: ``2a + T_c + 2 (C-1) latency``.
+* ``chunked`` with C chunks, each chunk's all-to-all ``a_C`` (the same formula for
+  ``B / C``: a C-th of the bytes, all of the latency), asynchronous all-to-alls
+  (``async_all_to_all`` in the hardware table: GPUs; the TPU compiler blocks on
+  them): a three-stage pipeline whose link is shared by both exchanges,
+  ``2 a_C + T_c / C + (C-1) x max(T_c / C, 2 a_C)``; otherwise ``2 C a_C + T_c``.
 """
 
 from __future__ import annotations
@@ -63,18 +63,17 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
   ``devices``; fewer where devices hold the same tokens).
   """
   profile = hw.get_profile(hardware)
-  a = step_model.ring_collective_seconds(
-      math.prod(shape_becd) * itemsize / (shards or devices), [n],
+  exchange = lambda parts: step_model.ring_collective_seconds(
+      math.prod(shape_becd) * itemsize / (shards or devices) / parts, [n],
       profile.link_bandwidth * step_model.LINK_EFFICIENCY, profile.ring_links,
       profile.step_latency)
+  a, a_c = exchange(1), exchange(chunks)
   t_c = expert_flops / devices / (profile.peak_flops or CPU_NOMINAL_FLOPS)
-  single = 2 * a + t_c
-  extra = 2 * (chunks - 1) * profile.step_latency
   if profile.async_collectives and profile.async_all_to_all:
-    chunked = single / chunks + (chunks - 1) / chunks * max(t_c, 2 * a) + extra
+    chunked = 2 * a_c + t_c / chunks + (chunks - 1) * max(t_c / chunks, 2 * a_c)
   else:
-    chunked = single + extra
-  return {'single': single, 'chunked': chunked}
+    chunked = 2 * chunks * a_c + t_c
+  return {'single': 2 * a + t_c, 'chunked': chunked}
 
 
 def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: str,

@@ -242,15 +242,17 @@ def test_exchange_cost_model_and_auto_choice(devices):
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12  # [batch, exp, capacity, embed]
   for name, overlaps in (('h100', True), ('tpu_v4', False)):
     chip = hardware.get_profile(name)
-    # 3/4 of a device's bytes over both ring directions, 2 sequential steps of latency
+    # 3/4 of a device's bytes over both ring directions, 2 sequential steps of latency;
+    # each of 2 chunks' exchanges moves half the bytes and pays all of the latency
     a = (math.prod(shape) * itemsize / 8 * 3 / 4 / (2 * chip.link_bandwidth)
          + 2 * chip.step_latency)
+    a_c = a / 2 + chip.step_latency
     t_c = flops / 8 / chip.peak_flops
     seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, name)
     np.testing.assert_allclose(seconds['single'], 2 * a + t_c)
     # async all-to-alls (GPU) pipeline the chunks; the TPU compiler blocks on them
-    chunked = (2 * a + t_c) / 2 + max(t_c, 2 * a) / 2 if overlaps else 2 * a + t_c
-    np.testing.assert_allclose(seconds['chunked'], chunked + 2 * chip.step_latency)
+    chunked = (2 * a_c + t_c / 2 + max(t_c / 2, 2 * a_c) if overlaps else 4 * a_c + t_c)
+    np.testing.assert_allclose(seconds['chunked'], chunked)
   auto = lambda hw: moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 2, 'auto', hw)
   assert auto('h100').mode == 'chunked'  # the exchanges overlap expert compute there
   assert auto('tpu_v4').mode == 'single'  # blocking all-to-alls: chunks only add steps
