@@ -312,3 +312,70 @@ def test_hf_import_then_fine_tune(tmp_path, capsys):
   # A config that needs a checkpoint says so.
   assert train.main(['--config', finetune, '--workdir', str(tmp_path / 'x')]) == 2
   assert 'needs a checkpoint' in capsys.readouterr().err
+
+
+# ------------------------------------------------ unit level: tiny arrays, no training
+
+def _tiny_state(step):
+  from trainer.step import TrainState  # pylint: disable=import-outside-toplevel
+  params = {'w': jax.numpy.arange(8, dtype=jax.numpy.float32) * step, 'b': jax.numpy.ones(3)}
+  return TrainState(jax.numpy.int32(step), params, {'mu': {'w': jax.numpy.zeros(8)}})
+
+
+def _tiny_checkpointer(tmp_path, steps=(1, 2), on_corrupt='previous'):
+  """A Checkpointer in ``tmp_path`` holding tiny states at ``steps`` (saved synchronously)."""
+  from trainer.config import Checkpoint  # pylint: disable=import-outside-toplevel
+  ckpt = checkpoint.Checkpointer(str(tmp_path), Checkpoint(keep=10, async_save=False,
+                                                           on_corrupt=on_corrupt))
+  for step in steps:
+    ckpt.save(_tiny_state(step), {'model': {}})
+  ckpt.wait()
+  return ckpt
+
+
+def test_a_restore_failing_for_want_of_memory_sets_nothing_aside(tmp_path, monkeypatch):
+  ckpt = _tiny_checkpointer(tmp_path)
+  def out_of_memory(*args, **kwargs):
+    raise ValueError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 96 bytes')
+  monkeypatch.setattr(ckpt._mngr, 'restore', out_of_memory)  # pylint: disable=protected-access
+  with pytest.raises(checkpoint.CheckpointError) as raised:
+    ckpt.restore(_tiny_state(0))
+  assert not isinstance(raised.value, checkpoint.CorruptCheckpoint)
+  assert raised.value.exit_status == 1
+  message = str(raised.value)
+  assert 'RESOURCE_EXHAUSTED: Out of memory' in message, message
+  assert os.path.join(ckpt.directory, '2') in message, message
+  assert sorted(os.listdir(ckpt.directory)) == ['1', '2']  # nothing set aside
+  # Nor an I/O error reading the metadata.
+  monkeypatch.setattr(checkpoint.json, 'load', lambda f: (_ for _ in ()).throw(
+      OSError(5, 'Input/output error')))
+  with pytest.raises(checkpoint.UnreadableCheckpoint, match='Input/output error'):
+    ckpt.restore(_tiny_state(0))
+  assert sorted(os.listdir(ckpt.directory)) == ['1', '2']
+  ckpt.close()
+
+
+@pytest.mark.parametrize('error, damaged', [
+    (ValueError('DATA_LOSS: Error reading "a/.zarray"'), True),
+    (ValueError('OUT_OF_RANGE: Error reading byte range'), True),
+    (ValueError('NOT_FOUND: Error opening "zarr" driver'), True),
+    (FileNotFoundError('No structure could be identified'), True),
+    (ValueError('INVALID_ARGUMENT: Error decoding chunk'), True),
+    (ValueError('RESOURCE_EXHAUSTED: Out of memory'), False),
+    (ValueError('UNAVAILABLE: connection reset'), False),
+    (ValueError('DEADLINE_EXCEEDED: read timed out'), False),
+    (OSError(5, 'Input/output error'), False),
+    (PermissionError(13, 'Permission denied'), False),
+    (ValueError('Unsupported checkpoint version 9'), False),
+])
+def test_only_evidence_of_damage_is_corruption(error, damaged):
+  assert checkpoint._diagnosis(error)[0] is damaged  # pylint: disable=protected-access
+
+
+def test_a_flipped_byte_is_still_corrupt_and_set_aside(tmp_path):
+  ckpt = _tiny_checkpointer(tmp_path)
+  corrupt_params(os.path.join(ckpt.directory, '2'))
+  state, step = ckpt.restore(_tiny_state(0))
+  assert step == 1 and int(state.step) == 1
+  assert sorted(os.listdir(ckpt.directory)) == ['1', '2.corrupt']
+  ckpt.close()

@@ -55,6 +55,14 @@ class CorruptCheckpoint(CheckpointError):
   exit_status = 1
 
 
+class UnreadableCheckpoint(CheckpointError):
+  """A restore that failed without evidence of damage (out of memory, I/O, permissions).
+
+  Not corrupt: the checkpoint is left where it is and the run stops (exit status 1).
+  """
+  exit_status = 1
+
+
 # ------------------------------------------------------------ flat names
 
 def flatten(tree) -> dict[str, Any]:
@@ -172,8 +180,11 @@ def read_meta(directory: str, step: int) -> dict:
   try:
     with open(path, encoding='utf-8') as f:
       meta = json.load(f)
-  except OSError as e:
+  except FileNotFoundError as e:
     raise CorruptCheckpoint(f'{where} is corrupted: cannot read {path} ({e.strerror})') from None
+  except OSError as e:  # EIO, a timeout, permissions: no evidence the file is damaged
+    raise UnreadableCheckpoint(f'{where}: cannot read {path} ({e}); not known to be corrupted, '
+                               'so it is left as it is') from None
   except ValueError as e:
     raise CorruptCheckpoint(f'{where} is corrupted: {path} is not valid JSON, truncated or '
                             f'altered ({e})') from None
@@ -352,16 +363,56 @@ def _restore_item(where: str, mngr, step: int, item: str, args) -> dict:
   try:
     return mngr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
   except Exception as e:  # pylint: disable=broad-except  # Orbax and TensorStore raise anything
-    raise CorruptCheckpoint(f'{where} is corrupted: {os.path.join(where, item)} is '
-                            f'unreadable: {_cause(e)}') from None
+    damaged, cause = _diagnosis(e)
+    if damaged:
+      raise CorruptCheckpoint(f'{where} is corrupted: {os.path.join(where, item)} is '
+                              f'unreadable: {_cause(cause)}') from None
+    raise UnreadableCheckpoint(
+        f'cannot restore {os.path.join(where, item)}: {_cause(cause, keep_status=True)} (not '
+        'known to be corrupted, so it is left as it is)') from None
 
 
-def _cause(error: BaseException) -> str:
-  """The innermost cause of an Orbax error, in its words (not TensorStore's spec dump)."""
-  while error.__cause__ or error.__context__:
-    error = error.__cause__ or error.__context__
+# Status codes (TensorStore's, XLA's) and words that say the stored bytes are damaged or
+# missing; a restore failing otherwise (RESOURCE_EXHAUSTED, UNAVAILABLE, an EIO, a version
+# mismatch, ...) may be the machine's or the filesystem's fault, and sets nothing aside.
+_DAMAGE_STATUS = re.compile(r'\b(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND): ')
+_OTHER_STATUS = re.compile(r'\b(RESOURCE_EXHAUSTED|UNAVAILABLE|DEADLINE_EXCEEDED|PERMISSION_DENIED|'
+                           r'UNAUTHENTICATED|CANCELLED|ABORTED): ')
+_DAMAGE_WORDS = re.compile(r'checksum|\bcrc|decod|corrupt', re.IGNORECASE)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+  """``error`` and its causes, outermost first."""
+  out = [error]
+  while (out[-1].__cause__ or out[-1].__context__) and len(out) < 100:
+    out.append(out[-1].__cause__ or out[-1].__context__)
+  return out
+
+
+def _diagnosis(error: BaseException) -> tuple[bool, BaseException]:
+  """(whether a restore's error is evidence of damaged files, the error that says so).
+
+  The outermost error of a kind or status that tells decides (an out-of-memory raised
+  while Orbax handled a missing optional file is no missing file); failing that, words
+  (a checksum, CRC or decoding failure); failing that, it is no evidence.
+  """
+  chain = _chain(error)
+  for e in chain:
+    if (isinstance(e, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError))
+        or _DAMAGE_STATUS.search(str(e))):
+      return True, e
+    if (isinstance(e, (MemoryError, PermissionError, TimeoutError, ConnectionError))
+        or _OTHER_STATUS.search(str(e))):
+      return False, e
+  worded = [e for e in chain if _DAMAGE_WORDS.search(str(e))]
+  return (True, worded[-1]) if worded else (False, chain[-1])
+
+
+def _cause(error: BaseException, keep_status: bool = False) -> str:
+  """An error in its words (not TensorStore's spec dump), its status code kept or not."""
   text = (str(error).splitlines() or [''])[0]
-  text = re.sub(r'^[A-Z_]+: ', '', text)  # TensorStore's status code (DATA_LOSS: ...)
+  if not keep_status:
+    text = re.sub(r'^[A-Z_]+: ', '', text)  # TensorStore's status code (DATA_LOSS: ...)
   if isinstance(error, json.JSONDecodeError):
     return f'a JSON file in it is truncated or altered ({text})'
   return (text or type(error).__name__)[:300]
