@@ -93,8 +93,8 @@ def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: st
   shards = math.prod(size(entry) for entry in dispatched) if len(dispatched) else None
   seconds = estimate(shape_becd, itemsize, expert_flops, mesh.size, n, chunks, hardware,
                      shards)
-  if n == 1:
-    return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
+  if n == 1:  # (an expert axis of size 1 is none: nothing is exchanged)
+    return ExchangeDecision('single', 1, None, chunk_shape(1), seconds, hardware,
                             'no expert parallelism: no all-to-all')
   if mode != 'single' and chunks > 1 and len(dispatched) > 2 and size(dispatched[2]) > 1:
     return ExchangeDecision('single', 1, axis, chunk_shape(1), seconds, hardware,
@@ -141,7 +141,7 @@ def run(decision: ExchangeDecision, x_becd, expert_fn, mesh, dispatched: Partiti
         at_experts: PartitionSpec):
   """Runs ``expert_fn`` on ``x_becd`` as ``decision`` says; returns ``[batch, exp, c, d]``."""
   put = lambda v, spec: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, spec))
-  if decision.axis is None or mesh.shape[decision.axis] == 1:
+  if decision.axis is None:
     return jnp.swapaxes(expert_fn(jnp.swapaxes(x_becd, 0, 1)), 0, 1)
   outs = []
   for x_chunk in jnp.split(put(x_becd, dispatched), decision.chunks, axis=2):

@@ -33,7 +33,9 @@ def rows(plan: Mapping[str, Any]) -> list[dict]:
         'path': path,
         'einsum': d.equation,
         'sharded_dims': _sharded_dims(d.equation, specs),
-        'collective': f'{d.collective} over {est.axis}' if d.collective and est else 'none needed',
+        'collective': (f'{d.collective} over {est.axis}' if d.collective and est else
+                       f"the compiler's over {', '.join(d.left_to_compiler)}"
+                       if d.left_to_compiler else 'none needed'),
         'decision': d.mode,
         'reason': d.reason,
         'left_to_compiler': list(d.left_to_compiler),

@@ -237,6 +237,16 @@ def test_two_axes_decompose_tensor_and_leave_the_other():
   assert _rel(fwd(x, w), x @ w) < 1e-5
 
 
+def test_a_collective_left_to_the_compiler_is_reported_as_such():
+  from parallelism import report  # pylint: disable=import-outside-toplevel
+  mesh = _mesh(4, data=1)  # fsdp=2
+  specs = (P(None, 'fsdp'), P('fsdp', None), P(None, None))  # an all-reduce over fsdp
+  d = explain('bd,df->bf', (8, 8), (8, 8), 'float32', mesh=mesh, lhs_spec=specs[0],
+              rhs_spec=specs[1], out_spec=specs[2])
+  assert d.mode == 'none' and d.left_to_compiler == ('fsdp',)
+  assert report.rows({'x': (d, specs)})[0]['collective'] == "the compiler's over fsdp"
+
+
 # ------------------------------------------------------------------ cost model
 
 def test_cost_model_choices():

@@ -259,6 +259,9 @@ def test_exchange_cost_model_and_auto_choice(devices):
   assert auto('cpu').mode == 'single'      # synchronous copies: chunking only adds steps
   assert moe_lib.decide(shape, itemsize, flops, mesh, None, 2, 'chunked', 'cpu').reason == (
       'no expert parallelism: no all-to-all')
+  alone = moe_lib.decide(shape, itemsize, flops, _mesh(data=8, expert=1), 'expert', 2, 'auto',
+                         'cpu')  # an expert axis of one device: nothing to exchange
+  assert alone.axis is None and alone.reason == 'no expert parallelism: no all-to-all'
   # tokens held alike on both data devices: each sends twice the bytes of a split layout
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   held = moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 1, 'auto', 'tpu_v4',
