@@ -379,3 +379,37 @@ def test_a_flipped_byte_is_still_corrupt_and_set_aside(tmp_path):
   assert step == 1 and int(state.step) == 1
   assert sorted(os.listdir(ckpt.directory)) == ['1', '2.corrupt']
   ckpt.close()
+
+
+def test_checksum_sees_every_bit_however_sharded(devices):
+  x = jax.numpy.arange(1, 17, dtype=jax.numpy.float32)
+  signed = x.at[1].multiply(-1)  # the top bit at an odd position
+  old = 'ringtrain-checkpoint-1'
+  assert checkpoint.checksums({'x': x}, old) == checkpoint.checksums({'x': signed}, old)  # why 2
+  assert checkpoint.checksums({'x': x}) != checkpoint.checksums({'x': signed})
+  swapped = x.at[jax.numpy.array([0, 1])].set(x[jax.numpy.array([1, 0])])
+  assert checkpoint.checksums({'x': x}) != checkpoint.checksums({'x': swapped})
+  two = x.at[1].multiply(-1).at[3].multiply(-1)  # two top bits do not cancel
+  assert checkpoint.checksums({'x': x}) != checkpoint.checksums({'x': two})
+  mesh = jax.sharding.Mesh(np.array(devices), ('d',))
+  sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('d')))
+  assert checkpoint.checksums({'x': sharded}) == checkpoint.checksums({'x': np.asarray(x)})
+
+
+def test_format_1_checkpoints_still_verify(tmp_path):
+  ckpt = _tiny_checkpointer(tmp_path)
+  state = _tiny_state(2)
+  flat = {**checkpoint.flatten(state.params),
+          **checkpoint.flatten({'step': state.step, 'opt': state.opt_state})}
+  path = os.path.join(ckpt.directory, '2', 'meta', 'metadata')
+  with open(path, encoding='utf-8') as f:
+    meta = json.load(f)
+  assert meta['format'] == checkpoint.FORMAT != 'ringtrain-checkpoint-1'
+  meta.update(format='ringtrain-checkpoint-1',
+              checksums=checkpoint.checksums(flat, 'ringtrain-checkpoint-1'))
+  assert meta['checksums'] != checkpoint.checksums(flat)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(meta, f)
+  restored, step = ckpt.restore(_tiny_state(0))
+  assert step == 2 and np.array_equal(restored.params['w'], state.params['w'])
+  ckpt.close()

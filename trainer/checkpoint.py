@@ -13,17 +13,20 @@ never taken for a checkpoint, on any filesystem; the next start removes it.
 Every array is stored under a flat dotted name (``blocks.0.attn.q_dnh``,
 ``opt.0.mu.blocks.0.attn.q_dnh``), so restores can say which names differ, and
 restoring onto another mesh or device count is a matter of the target
-shardings. Restores verify each array against its checksum (a position-weighted
-wraparound sum of its bits, the same however the array is sharded), so files
-that were truncated or altered are caught even when the storage layer reads
-them without complaint. A checkpoint that cannot be read, whose metadata is
-not what a save writes, or whose arrays disagree with it is corrupt
-(:class:`CorruptCheckpoint`): the run stops naming it, or with
-``on_corrupt=previous`` sets it aside and uses the newest good one.
+shardings. Restores verify each array against its checksum (a wraparound sum
+over its elements of their bits mixed with their position, the same however
+the array is sharded), so files that were truncated or altered are caught even
+when the storage layer reads them without complaint. A checkpoint whose files
+are damaged or missing, whose metadata is not what a save writes, or whose
+arrays disagree with it is corrupt (:class:`CorruptCheckpoint`): the run stops
+naming it, or with ``on_corrupt=previous`` sets it aside and uses the newest
+good one. A restore failing otherwise (out of memory, an I/O error) is no
+evidence of damage (:class:`UnreadableCheckpoint`): the run stops, moving nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -36,7 +39,9 @@ import orbax.checkpoint as ocp
 
 from trainer.config import Checkpoint
 
-FORMAT = 'ringtrain-checkpoint-1'
+FORMAT = 'ringtrain-checkpoint-2'
+# Formats restores read; they differ in the checksum (see _checksums).
+FORMATS = ('ringtrain-checkpoint-1', FORMAT)
 SUBDIR = 'checkpoints'
 COMMIT_MARKER = 'commit_success.txt'  # orbax's atomicity_types.COMMIT_SUCCESS_FILE
 # In place, committed by COMMIT_MARKER: completeness does not rest on atomic renames
@@ -95,8 +100,15 @@ def differences(stored: dict[str, list], wanted: dict[str, list]) -> list[str]:
 
 # -------------------------------------------------------------- checksums
 
-@jax.jit
-def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _mix(h):
+  """MurmurHash3's 32-bit finalizer: a bijection, every output bit depending on every input."""
+  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+@functools.partial(jax.jit, static_argnames='form')
+def _checksums(flat: dict[str, jax.Array], form: str) -> dict[str, jax.Array]:
   def one(x):
     bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
     u = jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)
@@ -104,13 +116,21 @@ def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
     for axis in range(x.ndim):  # row-major position, wrapping at 2**32
       index = index * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(
           jnp.uint32, x.shape, axis)
-    return jnp.sum(u * (index * jnp.uint32(2654435761) + 1), dtype=jnp.uint32)
+    if form == 'ringtrain-checkpoint-1':  # the multiplier is even at odd positions: their
+      # top bit (a float32's sign) drops out mod 2**32; kept to verify what it wrote
+      return jnp.sum(u * (index * jnp.uint32(2654435761) + 1), dtype=jnp.uint32)
+    # An odd multiplier at every position (a bijection of each element's bits), then
+    # mixed, so that every bit counts and changes do not cancel linearly; still a sum.
+    return jnp.sum(_mix(u * ((index * 2 + 1) * jnp.uint32(2654435761))), dtype=jnp.uint32)
   return {k: one(v) for k, v in flat.items()}
 
 
-def checksums(flat: dict[str, jax.Array]) -> dict[str, int]:
-  """One 32-bit checksum per array, independent of how it is sharded."""
-  return {k: int(v) for k, v in jax.device_get(_checksums(flat)).items()}
+def checksums(flat: dict[str, jax.Array], form: str = FORMAT) -> dict[str, int]:
+  """One 32-bit checksum per array, independent of how it is sharded.
+
+  ``form``: the checkpoint format whose checksum to compute (one of FORMATS).
+  """
+  return {k: int(v) for k, v in jax.device_get(_checksums(flat, form=form)).items()}
 
 
 def _verify(flat: dict[str, jax.Array], meta: dict, where: str) -> None:
@@ -122,7 +142,8 @@ def _verify(flat: dict[str, jax.Array], meta: dict, where: str) -> None:
     raise CorruptCheckpoint(f'{where} is corrupted: {len(retyped)} array(s) read with another '
                             f'dtype than recorded ({k}: {np.dtype(flat[k].dtype)}, recorded '
                             f'{recorded[k][1]})')
-  bad = sorted(k for k, v in checksums(flat).items() if v != meta['checksums'][k])
+  bad = sorted(k for k, v in checksums(flat, meta['format']).items()
+               if v != meta['checksums'][k])
   if bad:
     raise CorruptCheckpoint(f'{where} is corrupted: {len(bad)} array(s) fail their checksum '
                             f'({_some(bad)})')
@@ -196,7 +217,7 @@ def read_meta(directory: str, step: int) -> dict:
 
 def _meta_problem(meta, step: int) -> str | None:
   """What makes ``meta`` unlike the metadata a save writes, in words; None if nothing."""
-  if not isinstance(meta, dict) or meta.get('format') != FORMAT:
+  if not isinstance(meta, dict) or meta.get('format') not in FORMATS:
     return (f'is not ringtrain checkpoint metadata (format '
             f'{meta.get("format") if isinstance(meta, dict) else None!r})')
   if meta.get('step') != step:
