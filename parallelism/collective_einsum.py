@@ -149,9 +149,13 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     backward = tuple('none' if r is None else 'ring' for r in rings)
     backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
                           for r in rings)
-    for which, r in zip(('lhs', 'rhs'), rings):
-      if r is None:
+    for which, r, forms in zip(('lhs', 'rhs'), rings, seconds):
+      if r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
         reason += f'; gradient of {which} as one einsum (its ring would be slower)'
+      elif r is None:  # no ring was priced
+        reason += f'; gradient of {which} as one einsum (no ring can run it' + (
+            ": under gradient_accumulators='sharded' not the one over "
+            f'{chosen.axis}' if gradient_accumulators == 'sharded' else '') + ')'
       elif r[0] != chosen.axis:
         reason += _blocking(which, r)
       elif r[1] != choice:

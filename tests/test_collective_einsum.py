@@ -247,6 +247,19 @@ def test_a_collective_left_to_the_compiler_is_reported_as_such():
   assert report.rows({'x': (d, specs)})[0]['collective'] == "the compiler's over fsdp"
 
 
+def test_a_gradient_no_ring_can_run_is_not_called_slower():
+  """moe_1t's case: embed over (fsdp, expert), so no ring over fsdp, and under 'sharded'
+  not the one over tensor: the reason says so rather than that a ring was slower."""
+  mesh = jax.sharding.AbstractMesh((2, 8, 2), ('fsdp', T, 'expert'))
+  batch = ('fsdp', 'expert')
+  d = explain('btd,df->btf', (16, 2048, 8192), (8192, 8192), 'bfloat16', mesh=mesh,
+              lhs_spec=P(batch, T, None), rhs_spec=P(batch, T), out_spec=P(batch, None, T),
+              hardware='tpu_v4', gradient_accumulators='sharded')
+  assert d.decomposed and d.backward[1] == 'none'
+  assert d.reason.endswith("gradient of rhs as one einsum (no ring can run it: under "
+                           "gradient_accumulators='sharded' not the one over tensor)"), d.reason
+
+
 # ------------------------------------------------------------------ cost model
 
 def test_cost_model_choices():
