@@ -413,3 +413,19 @@ def test_format_1_checkpoints_still_verify(tmp_path):
   restored, step = ckpt.restore(_tiny_state(0))
   assert step == 2 and np.array_equal(restored.params['w'], state.params['w'])
   ckpt.close()
+
+
+def test_a_corrupt_checkpoint_that_cannot_be_moved_stops_the_run(tmp_path, monkeypatch):
+  ckpt = _tiny_checkpointer(tmp_path)
+  corrupt_params(os.path.join(ckpt.directory, '2'))
+  def refuse(src, dst):
+    raise OSError(39, 'Directory not empty', src)
+  monkeypatch.setattr(checkpoint.os, 'replace', refuse)
+  with pytest.raises(checkpoint.CheckpointError) as raised:
+    ckpt.restore(_tiny_state(0))
+  message = str(raised.value)
+  step2 = os.path.join(ckpt.directory, '2')
+  assert f'move or delete {step2} yourself' in message and 'Directory not empty' in message, message
+  assert f'{step2} is corrupted: ' in message, message
+  assert sorted(os.listdir(ckpt.directory)) == ['1', '2']
+  ckpt.close()

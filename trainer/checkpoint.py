@@ -334,13 +334,19 @@ class Checkpointer:
   def _set_aside(self, step: int, error: CheckpointError) -> None:
     """Renames a bad checkpoint out of the way (kept for inspection), so it is redone."""
     bad = os.path.join(self.directory, str(step))
+    why = 'process 0 could not move it aside'
     if jax.process_index() == 0:
       aside, n = f'{bad}.corrupt', 1
       while os.path.exists(aside):  # the same step went bad before
         aside, n = f'{bad}.corrupt.{n}', n + 1
-      os.replace(bad, aside)
-      print(f'warning: {error}; moved it to {aside} and trying the previous checkpoint')
-    ocp.multihost.sync_global_processes(f'ringtrain_set_aside_{step}')
+      try:
+        os.replace(bad, aside)
+        print(f'warning: {error}; moved it to {aside} and trying the previous checkpoint')
+      except OSError as e:  # GCS FUSE, for one, does not rename non-empty directories
+        why = f'moving it aside to {aside} failed ({e.strerror or e})'
+    ocp.multihost.sync_global_processes(f'ringtrain_set_aside_{step}')  # every process gets here
+    if os.path.exists(bad):  # not moved: every process stops, not only process 0
+      raise CheckpointError(f'{error}; {why}: move or delete {bad} yourself, then start again')
     self._mngr.reload()
 
   def _restore(self, step: int, abstract_state):
