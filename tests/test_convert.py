@@ -259,6 +259,9 @@ def test_export_round_trip(hf_dir, tmp_path, scan):
   tokens = np.random.default_rng(1).integers(0, TINY['vocab_size'], (2, 16))
   np.testing.assert_array_equal(convert.hf_logits(str(exported), tokens),
                                 convert.hf_logits(hf_dir, tokens))
+  with open(exported / 'config.json') as f:  # no tokenizer known: no guessed ids
+    hf = json.load(f)
+  assert hf['eos_token_id'] is None and hf['bos_token_id'] is None
 
 
 def test_export_refuses_a_missing_checkpoint(tmp_path, capsys):
@@ -292,3 +295,10 @@ def test_import_carries_the_tokenizer_to_generate_and_finetune(hf_dir, tmp_path,
   text = capsys.readouterr()
   assert f'tokenizer {out / "tokenizer.json"} (92 tokens)' in text.err
   assert text.out.startswith('w1 w2 w3')
+  # ... and back out: Hugging Face's generate stops at its end-of-document token, 1 here
+  assert convert.main(['hf-export', '--checkpoint', str(out), '--out_dir',
+                       str(tmp_path / 'exported')]) == 0
+  with open(tmp_path / 'exported' / 'config.json') as f:
+    assert json.load(f)['eos_token_id'] == 1
+  assert (tmp_path / 'exported' / 'tokenizer.json').read_bytes() == (
+      out / 'tokenizer.json').read_bytes()

@@ -501,13 +501,20 @@ def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
   return names
 
 
-def export_hf(params: dict, cfg: TransformerConfig, out_dir: str) -> None:
-  """Writes ``config.json`` and ``model.safetensors`` (fp32) to ``out_dir``."""
+def export_hf(params: dict, cfg: TransformerConfig, out_dir: str,
+              eos_id: int | None = None) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` (fp32) to ``out_dir``.
+
+  ``eos_id``: the tokenizer's end-of-document token, which Hugging Face's ``generate``
+  stops at; written as None when there is none (Llama's default, 2, would be a guess).
+  BOS is written as None: the model has no token it must start with.
+  """
   check_structure(params, cfg)
   tensors = params_to_hf(params, cfg)
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(hf_config_from_model(cfg), f, indent=2)
+    json.dump({**hf_config_from_model(cfg), 'bos_token_id': None, 'eos_token_id': eos_id},
+              f, indent=2)
     f.write('\n')
   save_file(tensors, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
 
@@ -526,12 +533,24 @@ def cmd_export(args) -> int:
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ConvertError(f'cannot read params from {args.checkpoint}: '
                        f'{str(e).splitlines()[0] if str(e) else repr(e)}') from None
+  try:  # a run's (bytes unless it names one), or the file hf-import copied; else none
+    spec = tokenizer.for_checkpoint(args.checkpoint)
+    trained = 'config' in checkpoint.peek_meta(args.checkpoint)
+    tok = tokenizer.load(spec) if spec or trained else None
+  except (OSError, ValueError) as e:
+    raise ConvertError(f'{args.checkpoint}: its tokenizer: {e}') from None
+  eos_id = tok and tok.eos_id
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
   check_structure(params, dataclasses.replace(cfg, param_dtype='float32'))
   print(f'writing {len(jax.tree.leaves(params))} tensors as a Hugging Face Llama '
         f'(fp32) to {args.out_dir}', flush=True)
-  export_hf(params, dataclasses.replace(cfg, param_dtype='float32'), args.out_dir)
-  print(f'wrote {args.out_dir}/config.json and model.safetensors')
+  export_hf(params, dataclasses.replace(cfg, param_dtype='float32'), args.out_dir, eos_id)
+  path = tokenizer.resolve(spec) if spec else ''
+  copied = (copy_tokenizer(os.path.dirname(path), args.out_dir)
+            if os.path.basename(path) in tokenizer.FILES else [])
+  print(f'wrote {args.out_dir}/config.json and model.safetensors (eos_token_id {eos_id}: '
+        + (f'tokenizer {spec or "bytes"}' if tok else 'no tokenizer known')
+        + (f'; copied {", ".join(copied)})' if copied else ')'))
   return 0
 
 
