@@ -429,3 +429,12 @@ def test_a_corrupt_checkpoint_that_cannot_be_moved_stops_the_run(tmp_path, monke
   assert f'{step2} is corrupted: ' in message, message
   assert sorted(os.listdir(ckpt.directory)) == ['1', '2']
   ckpt.close()
+
+
+def test_resolve_a_workdir_named_checkpoints(tmp_path):
+  workdir = tmp_path / 'checkpoints'
+  _tiny_checkpointer(workdir, steps=(1,)).close()
+  inner = os.path.join(workdir, 'checkpoints')
+  assert checkpoint.resolve(str(workdir)) == (inner, 1)  # the workdir
+  assert checkpoint.resolve(inner) == (inner, 1)  # its checkpoints/
+  assert checkpoint.resolve(os.path.join(inner, '1')) == (inner, 1)  # a step

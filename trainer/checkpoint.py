@@ -170,7 +170,9 @@ def resolve(path: str) -> tuple[str, int]:
   base = os.path.basename(path)
   if base.isdigit() and _is_complete(path):
     return os.path.dirname(path), int(base)
-  directory = path if base == SUBDIR else os.path.join(path, SUBDIR)
+  directory = os.path.join(path, SUBDIR)
+  if base == SUBDIR and (complete_steps(path) or not complete_steps(directory)):
+    directory = path  # its checkpoints/ directory, not a workdir itself named so
   steps = complete_steps(directory)
   if not steps:
     raise CheckpointError(f'{path} is not a checkpoint: expected a workdir with '
