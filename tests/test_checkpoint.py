@@ -438,3 +438,24 @@ def test_resolve_a_workdir_named_checkpoints(tmp_path):
   assert checkpoint.resolve(str(workdir)) == (inner, 1)  # the workdir
   assert checkpoint.resolve(inner) == (inner, 1)  # its checkpoints/
   assert checkpoint.resolve(os.path.join(inner, '1')) == (inner, 1)  # a step
+
+
+@pytest.mark.parametrize('mine, others, expected', [
+    (None, [0], None),                      # every process read its part
+    (None, [2], checkpoint.CorruptCheckpoint),     # another found damage: all set it aside
+    (None, [1], checkpoint.UnreadableCheckpoint),  # another could not read: all stop
+    ('unreadable', [2], checkpoint.CorruptCheckpoint),  # damage wins: the same verdict
+    ('corrupt', [1], checkpoint.CorruptCheckpoint),
+])
+def test_processes_agree_on_a_failed_read(monkeypatch, mine, others, expected):
+  """A process that failed alone would leave the others waiting in the next collective."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(multihost_utils, 'process_allgather',
+                      lambda x: np.array([int(x)] + others, np.int32))
+  own = {None: None, 'unreadable': checkpoint.UnreadableCheckpoint('cannot restore s: OOM'),
+         'corrupt': checkpoint.CorruptCheckpoint('s is corrupted: DATA_LOSS')}[mine]
+  got = checkpoint.agreed_failure(own, 's')
+  assert type(got) is expected if expected else got is None
+  if own is not None and isinstance(own, expected):
+    assert got is own  # its own message, which names the file

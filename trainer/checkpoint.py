@@ -382,10 +382,39 @@ def _read(where: str, mngr, step: int, item: str, meta: dict, wanted: dict) -> d
   """
   target = {k: jax.ShapeDtypeStruct(v.shape, np.dtype(meta['arrays'][k][1]), sharding=v.sharding)
             for k, v in wanted.items()}
-  flat = _restore_item(where, mngr, step, item, ocp.args.StandardRestore(target))
+  flat, failed = None, None
+  try:  # each process reads its own shards: one may fail where the others do not
+    flat = _restore_item(where, mngr, step, item, ocp.args.StandardRestore(target))
+  except CheckpointError as e:
+    failed = e
+  failed = agreed_failure(failed, where)
+  if failed:
+    raise failed
   _verify(flat, meta, where)
   return {k: v if v.dtype == wanted[k].dtype else v.astype(wanted[k].dtype)
           for k, v in flat.items()}
+
+
+def agreed_failure(error: CheckpointError | None, where: str) -> CheckpointError | None:
+  """The failure every process acts on, given this process's own (None: it read its part).
+
+  In a multi-process run each process learns the worst of all: corrupt if any found damage
+  (all set the checkpoint aside together, or all stop), else unreadable if any could not
+  read (all stop); one process failing alone would leave the others waiting in the next
+  collective.
+  """
+  if jax.process_count() == 1:
+    return error
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  kind = 2 if isinstance(error, CorruptCheckpoint) else 1 if error else 0
+  worst = int(np.max(multihost_utils.process_allgather(np.int32(kind))))
+  if worst == 2 and not isinstance(error, CorruptCheckpoint):
+    return CorruptCheckpoint(f'{where} is corrupted: another process found it damaged '
+                             '(its log names the file)')
+  if worst == 1 and error is None:
+    return UnreadableCheckpoint(f'cannot restore {where}: another process could not read it '
+                                '(its log says why; left as it is)')
+  return error
 
 
 def _restore_item(where: str, mngr, step: int, item: str, args) -> dict:
