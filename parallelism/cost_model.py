@@ -9,7 +9,11 @@ For the decomposed axis of size N, per device:
   where partial sums accumulate, the partial sum written, then read with the
   accumulator and their sum written, every step, in the wire dtype (an all-gather
   over a contracted dim: the addition apart from the einsum; a reduce-scatter's:
-  with the arriving accumulator). A block sliced out of an operand along
+  with the arriving accumulator). The addition is priced under the einsum's max, as
+  where the compiler fuses it into the einsum (the 500B's attention weight gradients over
+  ``tensor``); priced after it, as where it runs as an instruction of its own
+  (reduce-scatter rings), a step comes nearer the step model's charge, but every decision
+  that moved compiled slower (docs/paper_scale.md). A block sliced out of an operand along
   any dimension but its first is copied before the einsum: that copy's traffic adds to
   ``c`` (``_sliced_copy_bytes``). A ring whose steps are bound by
   that traffic while the plain einsum is not loses to ``none`` (the same
