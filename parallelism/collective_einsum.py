@@ -288,7 +288,8 @@ def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware
   """The cost model's estimate for a ring over ``plan.axis``, operands as a device holds
   them in that ring."""
   return cost_model.estimate(eq, plan, *shapes, dtype, mesh, hardware, wire_fp32=wire_fp32,
-                             local=local_elements(eq, plan.axis, *shapes, specs, mesh))
+                             local=local_elements(eq, plan.axis, *shapes, specs, mesh),
+                             flops=device_flops(eq, plan.axis, *shapes, specs, mesh))
 
 
 def _choose_axis(eq, candidates, shapes, specs, dtype, mesh, hardware,
@@ -320,6 +321,20 @@ def local_elements(eq: Equation, axis: str, lhs_shape, rhs_shape, specs, mesh):
     return math.prod(sizes[l] for l in letters) / math.prod(mesh.shape[a] for a in axes)
 
   return count(eq.lhs, lhs_spec), count(eq.rhs, rhs_spec), count(eq.out, out_spec, summed)
+
+
+def device_flops(eq: Equation, axis: str, lhs_shape, rhs_shape, specs, mesh) -> float:
+  """The einsum's FLOPs on one device over the whole ring over ``axis``: its FLOPs over
+  the ring's size and the sizes of the other axes that shard its operands as the ring
+  takes them (``hoisted_specs``); an axis that shards neither (a ``data`` axis the layer
+  does not split) holds the einsum whole on each of its devices, so it divides nothing.
+  """
+  lhs_spec, rhs_spec = hoisted_specs(eq, axis, *specs)
+  sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
+  axes = {a for letters, spec in ((eq.lhs, lhs_spec), (eq.rhs, rhs_spec))
+          for ax in einsum_plan.letter_axes(letters, spec).values() for a in ax} - {axis}
+  return 2 * math.prod(sizes.values()) / mesh.shape[axis] / math.prod(
+      mesh.shape[a] for a in axes)
 
 
 def _problem(eq, p, shapes, specs, mesh, alone: bool = True) -> str:

@@ -107,19 +107,22 @@ class Estimate:
 
 
 def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
-             hardware, wire_fp32: bool = False, local=None) -> Estimate:
+             hardware, wire_fp32: bool = False, local=None, flops=None) -> Estimate:
   """Models ``none``, ``unidirectional`` and ``bidirectional`` for ``plan.axis``.
 
   ``local``: the elements of (lhs, rhs, output) one device holds in the ring
   (``collective_einsum.local_elements``); by default each global size over all
   devices, which undercounts an output whose partial sums are reduced after the
-  ring (a weight gradient's, whole over ``fsdp`` until then).
+  ring (a weight gradient's, whole over ``fsdp`` until then). ``flops``: the einsum's
+  FLOPs on one device (``collective_einsum.device_flops``); by default its FLOPs over
+  all devices, which undercounts an einsum that an axis does not split.
   """
   profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(hardware)
   sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
   n = mesh.shape[plan.axis]
   shards = math.prod(mesh.shape.values())
-  flops = 2 * math.prod(sizes.values()) / shards
+  if flops is None:
+    flops = 2 * math.prod(sizes.values()) / shards
   peak = profile.peak_flops or CPU_NOMINAL_FLOPS
   itemsize = jnp.dtype(dtype).itemsize
   if local is None:

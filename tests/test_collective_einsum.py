@@ -463,6 +463,18 @@ def test_cost_model_counts_the_wire_dtype_of_reduce_scatter_accumulators():
       2 * (est(False).step_transfer_seconds - lat))
 
 
+def test_cost_model_counts_the_flops_of_an_einsum_an_axis_does_not_split():
+  # data=2 shards no operand: each of its devices runs the whole einsum over tensor=4, so
+  # a device's ring step does a quarter of a quarter of its FLOPs (not an eighth of that).
+  mesh = _mesh(4)
+  assert dict(mesh.shape)[D] == 2
+  b, d, f = 4096, 8192, 8192
+  est = explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, lhs_spec=P(T, None),
+                rhs_spec=P(None, T), out_spec=P(None, T), hardware='tpu_v4').estimate
+  assert est.step_compute_seconds == pytest.approx(2 * b * d * f / 16 / 275e12)
+  assert est.compute_seconds == pytest.approx(2 * b * d * f / 4 / 275e12)
+
+
 def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   # All-gather over a contracted dim: every step reads and writes the accumulator
   # [b, f/8] (bf16 under ring_dtype='compute'); with d/8 = 256 contracted per step (512
