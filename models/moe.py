@@ -148,8 +148,9 @@ class MoeMlp(nnx.Module):
     x_becd = ops.constrain(jnp.einsum('btd,btec->becd', x_btd, r.dispatch_btec.astype(dt)),
                            DISPATCHED)
     flops = 6 * x_becd.size * self.moe.mlp_dim  # three matmuls, 2 FLOPs per multiply-add
+    weights = 3 * self.gate_edf[...].size * dt.itemsize  # read by every pass over tokens
     y_becd = ops.experts(x_becd, self._experts, chunks=self.moe.overlap_chunks, flops=flops,
-                         name=f'{self.path}.exchange')
+                         weight_bytes=weights, name=f'{self.path}.exchange')
     out_btd = jnp.einsum('becd,btec->btd', y_becd, r.combine_btec.astype(dt))
     aux = {'load_balance_loss': r.load_balance_loss, 'router_z_loss': r.router_z_loss,
            'dropped_fraction': r.dropped, 'expert_load': r.load_e}

@@ -89,7 +89,7 @@ class Ops:
     return fn(*args)
 
   def experts(self, x_becd: jax.Array, expert_fn, *, chunks: int, flops: float,
-              name: str) -> jax.Array:
+              weight_bytes: float, name: str) -> jax.Array:
     """Runs ``expert_fn`` on tokens dispatched to experts.
 
     Args:
@@ -99,6 +99,8 @@ class Ops:
         ``models.moe.AT_EXPERTS``); it may be called once per chunk.
       chunks: how many capacity chunks a decomposed exchange may use.
       flops: the FLOPs of ``expert_fn`` on all of ``x_becd`` (for the cost model).
+      weight_bytes: the bytes of all experts' weights in the compute dtype, which
+        each call of ``expert_fn`` reads (for the cost model).
       name: the layer's path, used in reports.
 
     Returns:
@@ -106,5 +108,5 @@ class Ops:
       transpose; the sharded version moves tokens to the devices holding their
       experts (all-to-all) and back, whole or in chunks.
     """
-    del chunks, flops, name
+    del chunks, flops, weight_bytes, name
     return jnp.swapaxes(expert_fn(jnp.swapaxes(x_becd, 0, 1)), 0, 1)

@@ -15,18 +15,24 @@ chunks only split work that is already assigned: results equal the single
 exchange up to float summation order (none here: each slot is computed once).
 
 Modeled time (``estimate``), per device, with ``B`` the bytes of one device's
-dispatched tokens, ``n`` the expert-axis size and ``T_c`` the expert FLOPs over
-peak:
+dispatched tokens, ``n`` the expert-axis size, ``W`` the bytes of the expert
+weights one device reads (its experts' three matrices) and ``F`` the expert FLOPs
+on one device:
 
 * one all-to-all: ``a``, the step model's formula for a collective
   (``step_model.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
   the ring, the expert axis taken as one torus dimension, plus its latency);
-* ``single``: ``2a + T_c``;
+* the experts on a C-th of the tokens: ``T(C) = max(F / C / peak, (W + 2 B / C) /
+  HBM bandwidth)``, the step model's max(FLOPs, bytes) rule: every chunk reads all
+  of the weights again, and its tokens in and out (hidden activations not counted);
+* ``single``: ``2a + T(1)``;
 * ``chunked`` with C chunks, each chunk's all-to-all ``a_C`` (the same formula for
   ``B / C``: a C-th of the bytes, all of the latency), asynchronous all-to-alls
   (``async_all_to_all`` in the hardware table: GPUs; the TPU compiler blocks on
   them): a three-stage pipeline whose link is shared by both exchanges,
-  ``2 a_C + T_c / C + (C-1) x max(T_c / C, 2 a_C)``; otherwise ``2 C a_C + T_c``.
+  ``2 a_C + T(C) + (C-1) x max(T(C), 2 a_C)``; otherwise ``2 C a_C + C T(C)``.
+  Small chunks of many experts' tokens become bound by the weights' reads, so
+  chunking is chosen only where each chunk still keeps the chip's MXUs busy.
 """
 
 from __future__ import annotations
@@ -56,35 +62,42 @@ class ExchangeDecision:
 
 
 def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: int,
-             chunks: int, hardware: str, shards: int | None = None) -> dict[str, float]:
+             chunks: int, hardware: str, shards: int | None = None,
+             weight_bytes: float = 0.0) -> dict[str, float]:
   """Modeled seconds of ``single`` and ``chunked`` (see the module docstring).
 
   ``shards``: how many blocks the dispatched tokens are split into (default
-  ``devices``; fewer where devices hold the same tokens).
+  ``devices``; fewer where devices hold the same tokens). ``weight_bytes``: the
+  expert weights one device reads in each pass over its tokens.
   """
   profile = hw.get_profile(hardware)
+  tokens = math.prod(shape_becd) * itemsize / (shards or devices)
   exchange = lambda parts: step_model.ring_collective_seconds(
-      math.prod(shape_becd) * itemsize / (shards or devices) / parts, [n],
-      profile.link_bandwidth * step_model.LINK_EFFICIENCY, profile.ring_links,
-      profile.step_latency)
+      tokens / parts, [n], profile.link_bandwidth * step_model.LINK_EFFICIENCY,
+      profile.ring_links, profile.step_latency)
   a, a_c = exchange(1), exchange(chunks)
-  t_c = expert_flops / devices / (profile.peak_flops or CPU_NOMINAL_FLOPS)
+  hbm = profile.hbm_bandwidth or math.inf
+  experts = lambda parts: max(
+      expert_flops / devices / parts / (profile.peak_flops or CPU_NOMINAL_FLOPS),
+      (weight_bytes + 2 * tokens / parts) / hbm)
+  t_c = experts(chunks)
   if profile.async_collectives and profile.async_all_to_all:
-    chunked = 2 * a_c + t_c / chunks + (chunks - 1) * max(t_c / chunks, 2 * a_c)
+    chunked = 2 * a_c + t_c + (chunks - 1) * max(t_c, 2 * a_c)
   else:
-    chunked = 2 * chunks * a_c + t_c
-  return {'single': 2 * a + t_c, 'chunked': chunked}
+    chunked = 2 * chunks * a_c + chunks * t_c
+  return {'single': 2 * a + experts(1), 'chunked': chunked}
 
 
 def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: str,
-           hardware: str, dispatched: PartitionSpec = PartitionSpec()) -> ExchangeDecision:
+           hardware: str, dispatched: PartitionSpec = PartitionSpec(),
+           weight_bytes: float = 0.0) -> ExchangeDecision:
   """One layer's exchange in ``mode``: single | chunked | auto (the cost model picks).
 
   ``MatmulPolicy.choose`` asks for single under ``collective_matmul=never`` and
   chunked under ``always``; the reasons name those settings. ``dispatched``: the
   tokens' layout before the exchange; where it splits the capacity dim (experts
   tensor-parallel over that axis), the exchange is single, since a chunk of slots
-  would span devices.
+  would span devices. ``weight_bytes``: the expert weights a device reads per pass.
   """
   n = mesh.shape[axis] if axis else 1
   b, e, c, d = shape_becd
@@ -92,7 +105,7 @@ def decide(shape_becd, itemsize, expert_flops, mesh, axis, chunks: int, mode: st
   size = lambda entry: math.prod(mesh.shape[a] for a in axes_of(entry))
   shards = math.prod(size(entry) for entry in dispatched) if len(dispatched) else None
   seconds = estimate(shape_becd, itemsize, expert_flops, mesh.size, n, chunks, hardware,
-                     shards)
+                     shards, weight_bytes)
   if n == 1:  # (an expert axis of size 1 is none: nothing is exchanged)
     return ExchangeDecision('single', 1, None, chunk_shape(1), seconds, hardware,
                             'no expert parallelism: no all-to-all')

@@ -227,15 +227,22 @@ class ShardedOps(Ops):
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=self.spec(out_axes),
                          check_vma=False)(*args)
 
-  def experts(self, x_becd, expert_fn, *, chunks, flops, name):
-    """The expert all-to-all, single or chunked as parallelism/moe.py decides."""
+  def experts(self, x_becd, expert_fn, *, chunks, flops, weight_bytes, name):
+    """The expert all-to-all, single or chunked as parallelism/moe.py decides.
+
+    ``weight_bytes``: all experts' weights in the compute dtype; a device reads its
+    share over the axes of ``exp`` and ``mlp`` (``embed`` is gathered over ``fsdp``).
+    """
     dispatched, at_experts = self.spec(DISPATCHED), self.spec(AT_EXPERTS)
+    split = math.prod(self.mesh.shape[a] for entry in self.spec(('exp', 'mlp'))
+                      for a in axes_of(entry))
     axis = at_experts[0] if isinstance(at_experts[0], str) else None
     if axis is not None and self.mesh.shape[axis] > 1:
       moe.check_layout(axis, dispatched, at_experts)
     decision = self._decision(name, (dispatched, at_experts), lambda: self.policy.choose(
         lambda mode: moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis,
-                                chunks, mode, self.policy.hardware, dispatched),
+                                chunks, mode, self.policy.hardware, dispatched,
+                                weight_bytes / split),
         never='single', always='chunked'))
     with jax.named_scope(name):
       return moe.run(decision, x_becd, expert_fn, self.mesh, dispatched, at_experts)

@@ -275,6 +275,28 @@ def test_exchange_cost_model_and_auto_choice(devices):
                                           'slots would span devices')
 
 
+def test_exchange_chunks_only_where_each_chunk_keeps_the_mxus_busy(devices):
+  """Each chunk's experts read all of a device's expert weights again: where those reads
+  outlast a chunk's FLOPs, chunking loses (parallelism/moe.py's T(C))."""
+  from parallelism import hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
+  mesh = _mesh(data=2, expert=4)
+  shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12
+  chip = hardware.get_profile('h100')
+  tokens = math.prod(shape) * itemsize / 8  # a device's dispatched bytes
+  a = tokens * 3 / 4 / (2 * chip.link_bandwidth) + 2 * chip.step_latency
+  a_c = a / 2 + chip.step_latency
+  weights = 1e9  # a device's experts, read once per pass over its tokens
+  t = lambda parts: max(flops / 8 / parts / chip.peak_flops,
+                        (weights + 2 * tokens / parts) / chip.hbm_bandwidth)
+  seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, 'h100', weight_bytes=weights)
+  np.testing.assert_allclose(seconds['single'], 2 * a + t(1))
+  np.testing.assert_allclose(seconds['chunked'], 2 * a_c + t(2) + max(t(2), 2 * a_c))
+  assert t(2) > flops / 8 / 2 / chip.peak_flops  # a chunk is bound by the weights' reads
+  pick = lambda w: moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 2, 'auto', 'h100',
+                                  weight_bytes=w).mode
+  assert pick(0.0) == 'chunked' and pick(weights) == 'single'
+
+
 def test_exchange_cost_agrees_with_the_step_model():
   """The all-to-all term of the MoE cost model is the step model's, for the same bytes."""
   from parallelism import hlo_text, moe as moe_lib, step_model  # pylint: disable=import-outside-toplevel
@@ -285,4 +307,5 @@ def test_exchange_cost_agrees_with_the_step_model():
   chip = step_model.Chip.from_profile('tpu_v4')
   a = step_model.collective_seconds(ins, per_device, chip, 8)
   seconds = moe_lib.estimate(shape, itemsize, 0.0, 8, 4, 1, 'tpu_v4')
-  np.testing.assert_allclose(seconds['single'], 2 * a)
+  experts = 2 * per_device / chip.hbm_bandwidth  # no FLOPs: the tokens read and written
+  np.testing.assert_allclose(seconds['single'], 2 * a + experts)
