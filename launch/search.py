@@ -47,7 +47,13 @@ before the reduce-scatter in bf16 and fp32. Against compiled totals on v4 (GiB p
 estimate / compiled): 500B fsdp=128 x tensor=8 at 256 sequences, ``save_dot_except_qkv``
 29.8 / 29.54, ``minimal`` 32.2 / 31.3; 64B data=8 x fsdp=64 at 1,024, ``full``,
 29.6 / 32.58 (25.8, 28.1 and 26.7 when the estimate charged the whole attention logits
-whatever the kernel and had neither of the last two terms).
+whatever the kernel and had neither of the last two terms). That 64B layout (no tensor
+axis) is short by two errors of opposite sign: at 512 sequences it compiles to 30.42
+(baseline), 2.16 GiB less, where the estimate falls 3.65 (its per-token terms run 1.7x
+high there), so the rest is about 6 GiB short (its unsharded layer's weights and
+gradients at tensor=1); doubling the vocabulary adds 1.09 GiB compiled, 1.63 estimated.
+An estimate short of the compiled total costs a compile that then reports DOES NOT FIT; one
+above it would drop a layout that fits, so the terms are not refitted to this layout alone.
 """
 
 from __future__ import annotations
