@@ -50,9 +50,8 @@ estimate / compiled): 500B fsdp=128 x tensor=8 at 256 sequences, ``save_dot_exce
 whatever the kernel and had neither of the last two terms). That 64B layout (no tensor
 axis) is short by two errors of opposite sign: at 512 sequences it compiles to 30.42
 (baseline), 2.16 GiB less, where the estimate falls 3.65 (its per-token terms run 1.7x
-high there), so the rest is about 6 GiB short (its unsharded layer's weights and
-gradients at tensor=1); doubling the vocabulary adds 1.09 GiB compiled, 1.63 estimated.
-An estimate short of the compiled total costs a compile that then reports DOES NOT FIT; one
+high there), so the rest is about 6 GiB short (not traced to a buffer yet);
+doubling the vocabulary adds 1.09 GiB compiled, 1.63 estimated. An estimate short of the compiled total costs a compile that then reports DOES NOT FIT; one
 above it would drop a layout that fits, so the terms are not refitted to this layout alone.
 """
 
