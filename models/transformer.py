@@ -375,8 +375,11 @@ class Transformer(nnx.Module):
     cfg.validate()
     self.cfg = cfg
     self.ops = ops = ops or Ops()
-    self.embed_vd = param(rngs, (cfg.vocab_size, cfg.d_model),
-                          ('vocab', 'embed'), cfg.param_dtype, 1)
+    # Untied, an embedding row is the block's input (std 1, the pre-norms rescale it); tied,
+    # it is also the output layer, whose logits x . e (x of RMS 1 after the final norm)
+    # would start with std sqrt(d_model): drawn as the untied output layer is, 1/sqrt(d).
+    self.embed_vd = param(rngs, (cfg.vocab_size, cfg.d_model), ('vocab', 'embed'),
+                          cfg.param_dtype, cfg.d_model if cfg.tie_embeddings else 1)
     if cfg.scan_layers:
       unit = lambda rngs: (Block(cfg, ops, rngs, 'blocks.*', moe_layer=cfg.moe.enabled)
                            if cfg.layers_per_unit == 1 else BlockGroup(cfg, ops, rngs, 'blocks.*'))

@@ -35,6 +35,18 @@ def test_shapes_and_param_count(kw):
   assert count_params(nnx.state(model)) == expected
 
 
+@pytest.mark.parametrize('tie', [False, True])
+def test_initial_loss_is_near_a_uniform_guess(tie):
+  # Tied, the embedding is also the output layer: drawn with std 1 (an untied embedding's),
+  # each position's logit for its own input token started near d_model and the loss far
+  # above ln(vocab) (117 nats here instead of 4.2).
+  model = _model(tie_embeddings=tie, d_model=128)
+  tokens = _tokens()
+  logits = model(tokens)[:, :-1]
+  loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+  assert abs(float(loss) - np.log(SMALL['vocab_size'])) < 1.0
+
+
 def test_every_weight_names_logical_axes():
   allowed = {'embed', 'mlp', 'heads', 'kv_heads', 'head_dim', 'vocab', 'layers', 'norm'}
   state = nnx.state(_model(scan_layers=True))
