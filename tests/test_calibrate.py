@@ -72,3 +72,27 @@ def test_no_configs_and_an_unusable_hlo_dir_are_refused_before_anything_compiles
   assert calibrate.main(['--configs', calibrate.CONFIGS[0], '--hlo_dir',
                          str(tmp_path / 'file')]) == 2
   assert 'is a file, not a directory' in _error_line(capsys)
+
+
+def test_a_measurement_that_counted_full_attention_is_compared_over_our_count():
+  """MaxText's published MFU counted every (query, key) pair of causal attention; over our
+  count (each pair once) the same step time is a lower MFU, by our FLOPs over its."""
+  from trainer import config as config_lib, metrics  # pylint: disable=import-outside-toplevel
+  path = os.path.join(ROOT, 'configs', 'calibration', 'maxtext_32b_v5p.py')
+  cfg = config_lib.load(path, [])
+  assert cfg.aot.measured_attention == 'full'
+  m = cfg.transformer()
+  ours, full = metrics.flops_per_token(m, 2048), metrics.flops_per_token(m, 2048, causal=False)
+  assert full - ours == 6 * m.num_layers * 2048 * m.num_heads * m.head_dim
+  assert calibrate.on_our_count(cfg) == pytest.approx(0.7147 * ours / full)
+  assert round(100 * calibrate.on_our_count(cfg), 2) == 70.29
+  causal = config_lib.load(path, ['--config.aot.measured_attention=causal'])
+  assert calibrate.on_our_count(causal) == 0.7147
+  from trainer import validation  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="aot.measured_attention='half' is not one of"):
+    validation.validate(config_lib.load(path, ['--config.aot.measured_attention=half']))
+
+
+def test_render_takes_no_other_option(capsys):
+  assert calibrate.main(['--render', '--fit']) == 2
+  assert '--render rewrites the stored rows' in _error_line(capsys)

@@ -264,6 +264,9 @@ class Aot:
   topology: str = _key('', "the slice python -m launch.aot compiles for when --topology is not "
                            "given: <chip>:AxBxC, e.g. 'v4:8x8x16' ('': none)")
   measured_mfu: float | None = _key(None, "a calibration config's measured MFU (None: none)")
+  measured_attention: str = _key('causal', 'the attention FLOPs measured_mfu counts: causal '
+                                           '(each (query, key) pair once, as our MFU) | full '
+                                           "(every pair, as MaxText's MFU before its PR #1988)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,10 +48,11 @@ def matmul_params(cfg: TransformerConfig) -> int:
   return cfg.num_layers * attention + mlps + d * cfg.vocab_size
 
 
-def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
-  """Training FLOPs per token; formula in the module docstring."""
+def flops_per_token(cfg: TransformerConfig, seq_len: int, causal: bool = True) -> float:
+  """Training FLOPs per token; formula in the module docstring. ``causal=False`` counts
+  every (query, key) pair, as MaxText's MFU did before its PR #1988 (twice the attention)."""
   attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
-  return 6 * matmul_params(cfg) + attention
+  return 6 * matmul_params(cfg) + attention * (1 if causal else 2)
 
 
 # Where wall time goes; a record's ``<category>_s`` keys follow this order.
