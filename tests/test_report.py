@@ -301,3 +301,14 @@ def test_the_step_tables_show_exposed_copies_so_their_terms_add_up():
   [row] = [l for l in report.render_terms(results) if l.startswith('| dense_500b | ours |')]
   assert row.split(' | ')[5] == '+0.200'
   assert 'exposed copies change s' in '\n'.join(report.render_terms(results))
+
+
+def test_cpu_ratios_short_of_their_target_never_print_as_meeting_it():
+  """A train-step ratio of 1.0504 against <= 1.05 prints 1.0504, not 1.050."""
+  step = lambda s, n: {'median_step_seconds': s, 'decomposed_layers': n, 'dense_layers': 5}
+  cpu = {'train_step': {'repeats': 5, 'results': [
+      {'config': 'default', 'never': step(1.0, 0), 'always': step(1.0504, 5), 'ratio': 1.0504,
+       'target': 1.05, 'met': False}]}}
+  lines = report.render_cpu(cpu, {'train_step': 'x.png'})
+  [row] = [l for l in lines if l.startswith('| default |')]
+  assert '| 1.0504 | <= 1.05 (not met) |' in row
