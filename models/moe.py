@@ -8,9 +8,13 @@ when ``top_k > 1``). Every expert takes at most ``capacity`` tokens per sequence
   capacity = ceil(capacity_factor * tokens_per_group * top_k / num_experts),
 
 rounded up to a multiple of ``overlap_chunks`` so that chunked and unchunked
-exchanges see the same slots. Slots are filled first choices first, then second
-choices, each in token order (GShard); assignments past capacity are dropped
-(the token's residual passes through). ``dropless`` sets the capacity to the
+exchanges see the same slots. Slots are filled in token order, each token's choices
+in the order of preference; assignments past capacity are dropped (the token's
+residual passes through). So whether a token's choice fits depends only on that token
+and the ones before it: a decoder's output at a position never depends on later tokens.
+(GShard fills every first choice of the group before any second choice, which lets a
+later token's first choice take the slot an earlier token's second choice needed: with
+top_k=2 the output at a position would change with the tokens after it.) ``dropless`` sets the capacity to the
 group length, so nothing can drop (static shapes: ragged all-to-all is not
 available on every backend).
 
@@ -77,14 +81,19 @@ class MoeConfig:
     return math.ceil(max(base, 1) / self.overlap_chunks) * self.overlap_chunks
 
   def validate(self, num_layers: int) -> None:
+    if self.num_experts < 0:
+      raise ValueError(f'moe.num_experts={self.num_experts} must be >= 0 (0: dense MLPs)')
     if not self.enabled:
       return
     checks = {'top_k': 1 <= self.top_k <= self.num_experts,
               'every': 1 <= self.every <= num_layers,
-              'capacity_factor': self.capacity_factor > 0,
-              'overlap_chunks': self.overlap_chunks >= 1, 'mlp_dim': self.mlp_dim >= 1}
+              'capacity_factor': 0 < self.capacity_factor < math.inf,
+              'overlap_chunks': self.overlap_chunks >= 1, 'mlp_dim': self.mlp_dim >= 1,
+              'load_balance_weight': self.load_balance_weight >= 0,  # False for NaN too
+              'router_z_weight': self.router_z_weight >= 0}
     need = {'top_k': 'in [1, num_experts]', 'every': 'in [1, model.num_layers]',
-            'capacity_factor': '> 0', 'overlap_chunks': '>= 1', 'mlp_dim': '>= 1'}
+            'capacity_factor': 'finite and > 0', 'overlap_chunks': '>= 1', 'mlp_dim': '>= 1',
+            'load_balance_weight': '>= 0', 'router_z_weight': '>= 0'}
     for name, ok in checks.items():
       if not ok:
         raise ValueError(f'moe.{name}={getattr(self, name)} must be {need[name]}')
@@ -110,9 +119,10 @@ def route(logits_bte: jax.Array, top_k: int, capacity: int) -> Routing:
   if top_k > 1:
     gates_btk = gates_btk / jnp.sum(gates_btk, axis=-1, keepdims=True)
   chosen_bkte = jax.nn.one_hot(experts_btk, e, dtype=jnp.float32).transpose(0, 2, 1, 3)
-  # Slot of each assignment in its expert's buffer: first choices first, in token order.
-  order = chosen_bkte.reshape(b, top_k * t, e)
-  slot = (jnp.cumsum(order, axis=1) - 1).reshape(b, top_k, t, e)
+  # Slot of each assignment in its expert's buffer: in token order, each token's choices in
+  # order of preference (causal: a slot never depends on later tokens; module docstring).
+  order = chosen_bkte.transpose(0, 2, 1, 3).reshape(b, t * top_k, e)
+  slot = (jnp.cumsum(order, axis=1) - 1).reshape(b, t, top_k, e).transpose(0, 2, 1, 3)
   kept_bkte = chosen_bkte * (slot < capacity)
   slot_bktec = jax.nn.one_hot(jnp.where(kept_bkte > 0, slot, -1).astype(jnp.int32), capacity,
                               dtype=jnp.float32)

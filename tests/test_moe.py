@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -195,24 +196,34 @@ def test_top2_gates_are_renormalized():
   np.testing.assert_allclose(r.combine_btec[0, 0, :, 0], [0, 2 / 7, 5 / 7], rtol=1e-6)
 
 
-def test_top2_slots_fill_with_first_choices_before_second_choices():
+def test_top2_slots_fill_token_by_token():
   # Two tokens, two experts A and B: t0 prefers A (0.6, 0.4), t1 prefers B (0.3, 0.7).
-  # Every expert's slots take all first choices (in token order), then second choices:
-  # with one slot each, t0 -> A and t1 -> B and both second choices drop (filled token by
-  # token, t0's second choice would take B's slot and t1's first choice would drop).
+  # Slots fill in token order, each token's choices in order of preference: with one slot
+  # each, t0 takes A and then B, and both of t1's choices drop.
   logits = jnp.log(jnp.array([[[0.6, 0.4], [0.3, 0.7]]]))
   r = route(logits, top_k=2, capacity=1)
-  np.testing.assert_array_equal(r.dispatch_btec[0, :, :, 0], [[1, 0], [0, 1]])
-  np.testing.assert_allclose(r.combine_btec[0, :, :, 0], [[0.6, 0], [0, 0.7]], rtol=1e-6)
+  np.testing.assert_array_equal(r.dispatch_btec[0, :, :, 0], [[1, 1], [0, 0]])
+  np.testing.assert_allclose(r.combine_btec[0, :, :, 0], [[0.6, 0.4], [0, 0]], rtol=1e-6)
   np.testing.assert_allclose(r.dropped, 0.5)
   np.testing.assert_allclose(r.load_e, [0.5, 0.5])  # before capacity: 2 of 4 each
-  # With two slots nothing drops: each expert's first choice in slot 0, the other token's
-  # second choice in slot 1.
+  # With two slots nothing drops: t0's choices in slot 0 of A and B, t1's in slot 1.
   r = route(logits, top_k=2, capacity=2)
-  np.testing.assert_array_equal(r.dispatch_btec[0], [[[1, 0], [0, 1]], [[0, 1], [1, 0]]])
-  np.testing.assert_allclose(r.combine_btec[0], [[[0.6, 0], [0, 0.4]], [[0, 0.3], [0.7, 0]]],
+  np.testing.assert_array_equal(r.dispatch_btec[0], [[[1, 0], [1, 0]], [[0, 1], [0, 1]]])
+  np.testing.assert_allclose(r.combine_btec[0], [[[0.6, 0], [0.4, 0]], [[0, 0.3], [0, 0.7]]],
                              rtol=1e-6)
   np.testing.assert_allclose(r.dropped, 0.0)
+
+
+def test_routing_is_causal():
+  # Four tokens, four experts, top-2, two slots an expert: whether an earlier token's
+  # choice fits never depends on later tokens (filling all first choices first, t0's second
+  # choice A dropped when t1 and t2 chose A first, and fitted when t2 chose D).
+  prefs = lambda third: jnp.log(jnp.array([[[0.3, 0.6, 0.05, 0.05], [0.7, 0.1, 0.1, 0.1],
+                                            third, [0.1, 0.1, 0.7, 0.1]]]))
+  a, d = route(prefs([0.7, 0.1, 0.1, 0.1]), 2, 2), route(prefs([0.1, 0.1, 0.1, 0.7]), 2, 2)
+  for field in ('dispatch_btec', 'combine_btec'):
+    np.testing.assert_array_equal(getattr(a, field)[:, :2], getattr(d, field)[:, :2])
+  np.testing.assert_array_equal(a.dispatch_btec[0, 0].sum(-1), [1, 1, 0, 0])  # t0: A and B
 
 
 def test_moe_small_trains_through_the_cli(tmp_path, capsys):
@@ -309,3 +320,27 @@ def test_exchange_cost_agrees_with_the_step_model():
   seconds = moe_lib.estimate(shape, itemsize, 0.0, 8, 4, 1, 'tpu_v4')
   experts = 2 * per_device / chip.hbm_bandwidth  # no FLOPs: the tokens read and written
   np.testing.assert_allclose(seconds['single'], 2 * a + experts)
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('moe.num_experts', -1, 'moe.num_experts=-1 must be >= 0'),
+    ('moe.capacity_factor', math.inf, 'moe.capacity_factor=inf must be finite and > 0'),
+    ('moe.load_balance_weight', -0.1, 'moe.load_balance_weight=-0.1 must be >= 0'),
+    ('moe.router_z_weight', math.nan, 'moe.router_z_weight=nan must be >= 0')])
+def test_bad_moe_settings_are_refused_naming_the_value(key, value, message):
+  from trainer import config as config_lib, validation  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(MOE_SMALL, []).replace({key: value})
+  with pytest.raises(ValueError, match=re.escape(message)):
+    validation.validate(cfg)
+
+
+def test_experts_split_over_two_mesh_axes_are_refused():
+  """parallelism/moe.py exchanges over one axis; an 'exp' rule over two was run as if there
+  were no expert parallelism, the compiler moving the tokens unreported."""
+  from trainer import config as config_lib, validation  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(MOE_SMALL, [])
+  rules = [r if r[0] != 'exp' else ['exp', ['expert', 'tensor']]
+           for r in cfg.mesh.logical_axis_rules]
+  cfg = cfg.replace({'mesh.logical_axis_rules': rules})
+  with pytest.raises(ValueError, match=r"split 'exp' over expert\*tensor"):
+    validation.check_layout(cfg, {'data': 1, 'fsdp': 1, 'expert': 4, 'tensor': 2}, None)

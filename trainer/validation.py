@@ -134,12 +134,19 @@ def check_layout(cfg: Config, mesh_shape: dict, params: Any) -> None:
   ``mesh_shape``."""
   mesh = types.SimpleNamespace(shape=dict(mesh_shape))
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-  shards = sharding.mesh_axis_size(mesh, sharding.logical_to_spec(('batch',), rules)[0])
+  batch = sharding.logical_to_spec(('batch',), rules)[0]
+  shards = sharding.mesh_axis_size(mesh, batch)
   accum = cfg.optimizer.grad_accum_steps
   if cfg.batch_size % (shards * accum):
-    raise ValueError(f'batch_size={cfg.batch_size} is not divisible by data*fsdp={shards}'
+    named = '*'.join(sharding.axes_of(batch)) or 'its devices'
+    raise ValueError(f'batch_size={cfg.batch_size} is not divisible by {named}={shards}'
                      f' x optimizer.grad_accum_steps={accum}')
   moe = cfg.transformer().moe
+  experts = [a for a in sharding.axes_of(sharding.logical_to_spec(('exp',), rules)[0])
+             if mesh.shape[a] > 1]
+  if moe.enabled and len(experts) > 1:  # parallelism/moe.py exchanges over one axis
+    raise ValueError(f"the rules split 'exp' over {'*'.join(experts)}; expert parallelism "
+                     'exchanges tokens over one mesh axis: map exp to one (e.g. expert)')
   if moe.enabled:  # each expert's slots, where the rules split them
     axes = sharding.logical_to_spec(('capacity',), rules)[0]
     slots, split = moe.capacity(cfg.seq_len), sharding.mesh_axis_size(mesh, axes)
