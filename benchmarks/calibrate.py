@@ -170,7 +170,8 @@ def fit(rows: list[Row], chip_name: str) -> dict:
 
 def table(rows: list[Row]) -> list[str]:
   head = ('config', 'slice', 'chips', 'parameters', 'GiB/chip', 'published MFU',
-          'measured MFU (our FLOP count)', 'modeled MFU', 'error (points)', 'modeled step s', 'matmul at peak s',
+          'measured MFU (our FLOP count)', 'modeled MFU', 'error (points)', 'modeled step s',
+          'matmul at peak s',
           'memory-bound s', 'exposed comm s', 'program/model FLOPs')
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for r in rows:

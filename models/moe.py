@@ -14,9 +14,9 @@ residual passes through). So whether a token's choice fits depends only on that 
 and the ones before it: a decoder's output at a position never depends on later tokens.
 (GShard fills every first choice of the group before any second choice, which lets a
 later token's first choice take the slot an earlier token's second choice needed: with
-top_k=2 the output at a position would change with the tokens after it.) ``dropless`` sets the capacity to the
-group length, so nothing can drop (static shapes: ragged all-to-all is not
-available on every backend).
+top_k=2 the output at a position would change with the tokens after it.) ``dropless``
+sets the capacity to the group length, so nothing can drop (static shapes: ragged
+all-to-all is not available on every backend).
 
 Auxiliary losses, averaged over MoE layers and added to the training loss:
 
