@@ -293,7 +293,8 @@ def render_terms(aot: dict) -> list[str]:
               else 'exposed communication')
       same = abs(m[v]['step_seconds'] - base['step_seconds']) < 1e-3 * base['step_seconds']
       rows.append([name, v, f"{m[v]['speedup_vs_baseline']:.3f}x", f'{d_compute:+.3f}',
-                   f'{d_exposed:+.3f}', f'{d_copies:+.3f}', 'neither: the same modeled step as the baseline' if same
+                   f'{d_exposed:+.3f}', f'{d_copies:+.3f}',
+                   'neither: the same modeled step as the baseline' if same
                    else ('loses on ' if slower else 'gains on ') + term])
     if 'ours' in m:
       unfit = _unfit(s, ('ours', 'baseline', 'xla'))

@@ -234,8 +234,7 @@ class ShardedOps(Ops):
     share over the axes of ``exp`` and ``mlp`` (``embed`` is gathered over ``fsdp``).
     """
     dispatched, at_experts = self.spec(DISPATCHED), self.spec(AT_EXPERTS)
-    split = math.prod(self.mesh.shape[a] for entry in self.spec(('exp', 'mlp'))
-                      for a in axes_of(entry))
+    split = math.prod(mesh_axis_size(self.mesh, e) for e in self.spec(('exp', 'mlp')))
     axis = at_experts[0] if isinstance(at_experts[0], str) else None
     if axis is not None and self.mesh.shape[axis] > 1:
       moe.check_layout(axis, dispatched, at_experts)
