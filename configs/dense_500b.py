@@ -17,6 +17,11 @@ time (needs the tpu extra) and read memory fit and the modeled step time:
   python -m launch.aot --config configs/dense_500b.py --topology v4:8x8x16
 
 Expect FITS and three modeled variants (see docs/benchmarks.md).
+
+The modeled seconds in the comments below compare layouts and settings with one
+another; they were modeled before the step model's calibration refit of
+2026-12-04 (matmuls then at the data sheet's peak, now at 93% of it).
+Today's figures for this config: docs/benchmarks.md.
 """
 
 import ml_collections

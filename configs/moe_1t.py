@@ -29,6 +29,11 @@ Nothing here runs on this machine's CPU; compile it for the TPU slice ahead of
 time (needs the tpu extra):
 
   python -m launch.aot --config configs/moe_1t.py --topology v4:8x8x16
+
+The modeled seconds in the comments below compare layouts and settings with one
+another; they were modeled before the step model's calibration refit of
+2026-12-04 (matmuls then at the data sheet's peak, now at 93% of it).
+Today's figures for this config: docs/benchmarks.md.
 """
 
 import ml_collections

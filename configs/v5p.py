@@ -10,6 +10,11 @@ of ``parallelism/hardware.py`` (459 TFLOP/s, 2.77 TB/s of HBM, 90 GB/s links,
 95.74 GiB usable per program), at the layout ``LAYOUTS`` names: v5p's memory
 holds more tokens per chip and more saved activations than v4's 30.75 GiB, so
 each layout is searched on its v5p slice rather than taken from v4.
+
+The modeled seconds in the comments below compare layouts and settings with one
+another; they were modeled before the step model's calibration refit of
+2026-12-04 (matmuls then at the data sheet's peak, now at 93% of it).
+Today's figures for this config: docs/benchmarks.md.
 """
 
 import importlib

@@ -245,7 +245,12 @@ def worker(args, overrides) -> int:
     chip = dataclasses.replace(chip, peak_flops=cfg.hardware.peak_flops)
   out['coords'] = [tuple(d.coords) for d in mesh.devices.flat]  # by partition id
   result = step_model.analyze(text, chip, out['coords'])
-  out['model'] = result.as_dict() | {'chip': dataclasses.asdict(chip)}
+  other = step_model.analyze(text, dataclasses.replace(chip, **step_model.ALTERNATIVE),
+                             out['coords'])
+  out['model'] = result.as_dict() | {'chip': dataclasses.asdict(chip), 'alternative': {
+      'constants': step_model.ALTERNATIVE, 'step_seconds': other.step_seconds,
+      'compute_seconds': other.compute_seconds,
+      'exposed_comm_seconds': other.exposed_comm_seconds}}
   out['jax'] = jax.__version__
   _write(args.out, out)
   return 0
@@ -346,6 +351,10 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'costliest_non_matmul': costliest_non_matmul(model['non_matmul_by_op']),
           'additions_by_ring': additions_by_ring(model['non_matmul_by_op']),
           'warnings': model['warnings']}
+      if 'alternative' in model:  # the same program under step_model.ALTERNATIVE
+        other = model['alternative']
+        out['modeled'][name]['alternative'] = other | {
+            'mfu': info['model_flops_per_step'] / (chips * peak * other['step_seconds'])}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
   for name, m in out['modeled'].items():

@@ -74,6 +74,16 @@ from parallelism.einsum_plan import AxisPlan, Equation
 
 DEFAULT_HARDWARE = 'cpu'
 CPU_NOMINAL_FLOPS = 25e9  # the CPU profile has no fixed peak; nothing overlaps there anyway
+
+
+def rates(profile: hw.HardwareProfile) -> tuple[float, float]:
+  """(matmul FLOP/s, link bytes/s one direction) of ``profile`` at the step model's fitted
+  constants (``step_model.MATMUL_EFFICIENCY``, ``LINK_EFFICIENCY``), as the step model rates
+  the compiled program; the CPU profile's matmuls at ``CPU_NOMINAL_FLOPS``."""
+  peak = profile.peak_flops * step_model.MATMUL_EFFICIENCY or CPU_NOMINAL_FLOPS
+  return peak, profile.link_bandwidth * step_model.LINK_EFFICIENCY
+
+
 BIDIRECTIONAL_MIN_GAIN = 0.01  # of the unidirectional ring's modeled time (module docstring)
 
 
@@ -123,7 +133,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   shards = math.prod(mesh.shape.values())
   if flops is None:
     flops = 2 * math.prod(sizes.values()) / shards
-  peak = profile.peak_flops or CPU_NOMINAL_FLOPS
+  peak, link = rates(profile)
   itemsize = jnp.dtype(dtype).itemsize
   if local is None:
     local = tuple(math.prod(sizes[l] for l in letters) / shards
@@ -141,7 +151,6 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   t_comp = max(flops / peak, plain_bytes / hbm)
   c = max(flops / n / peak, step_bytes / hbm) + copied / hbm
   c2 = max(2 * flops / n / peak, pair_bytes / hbm) + 2 * copied / hbm  # one einsum, 2 blocks
-  link = profile.link_bandwidth * step_model.LINK_EFFICIENCY
   t = block / (link * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
   rounds = math.ceil((n - 1) / 2)

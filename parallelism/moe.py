@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import hardware as hw, step_model
-from parallelism.cost_model import CPU_NOMINAL_FLOPS
+from parallelism.cost_model import rates
 from parallelism.einsum_plan import axes_of
 
 
@@ -71,14 +71,14 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
   expert weights one device reads in each pass over its tokens.
   """
   profile = hw.get_profile(hardware)
+  peak, link = rates(profile)
   tokens = math.prod(shape_becd) * itemsize / (shards or devices)
   exchange = lambda parts: step_model.ring_collective_seconds(
-      tokens / parts, [n], profile.link_bandwidth * step_model.LINK_EFFICIENCY,
-      profile.ring_links, profile.step_latency)
+      tokens / parts, [n], link, profile.ring_links, profile.step_latency)
   a, a_c = exchange(1), exchange(chunks)
   hbm = profile.hbm_bandwidth or math.inf
   experts = lambda parts: max(
-      expert_flops / devices / parts / (profile.peak_flops or CPU_NOMINAL_FLOPS),
+      expert_flops / devices / parts / peak,
       (weight_bytes + 2 * tokens / parts) / hbm)
   t_c = experts(chunks)
   if profile.async_collectives and profile.async_all_to_all:

@@ -96,3 +96,27 @@ def test_a_measurement_that_counted_full_attention_is_compared_over_our_count():
 def test_render_takes_no_other_option(capsys):
   assert calibrate.main(['--render', '--fit']) == 2
   assert '--render rewrites the stored rows' in _error_line(capsys)
+
+
+def test_fit_searches_both_constants_and_each_alone():
+  # A row measured as the model times its program with matmuls at 90% of peak: the matmul
+  # efficiency alone fits it exactly; the link efficiency alone only as far as slower links
+  # lengthen the step by as much, and both together at least as well as either.
+  row = calibrate.Row('configs/calibration/maxtext_32b_v5p.py', 'v5p:2x2x2', 8, 10 ** 6,
+                      model_flops_per_chip=1e11, measured_mfu=0.0,
+                      hlo_path=os.path.join(ROOT, 'tests', 'data',
+                                            'async_collective_fusion_v5p.hlo'),
+                      coords=None, memory_gib=1.0)
+  sheet = step_model.Chip.from_profile('tpu_v5p', calibrated=False)
+  row.measured_mfu = row.model(dataclasses.replace(sheet, matmul_efficiency=0.9))['mfu']
+  fitted = calibrate.fit([row], 'tpu_v5p')
+  alone = fitted['matmul_efficiency alone']
+  assert alone['matmul_efficiency'] == pytest.approx(0.9)
+  assert alone['worst_error_points'] == pytest.approx(0.0, abs=1e-9)
+  links = fitted['link_efficiency alone']
+  assert links['link_efficiency'] < 1.0 and 'matmul_efficiency' not in links
+  assert links['worst_error_points'] > alone['worst_error_points']
+  assert fitted['both']['worst_error_points'] <= alone['worst_error_points'] + 1e-9
+  assert calibrate.alternative_note([row], sheet) == ''  # not modeled under ALTERNATIVE
+  row.alternative = {'mfu': row.measured_mfu + 0.01, 'error_points': 1.0, 'step_seconds': 1.0}
+  assert 'maxtext_32b_v5p +1.0 (worst 1.0 points)' in calibrate.alternative_note([row], sheet)

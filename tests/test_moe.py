@@ -248,17 +248,18 @@ def test_moe_small_trains_through_the_cli(tmp_path, capsys):
 
 def test_exchange_cost_model_and_auto_choice(devices):
   """The modeled times follow parallelism/moe.py's formulas; auto picks the faster."""
-  from parallelism import hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
+  from parallelism import cost_model, hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12  # [batch, exp, capacity, embed]
   for name, overlaps in (('h100', True), ('tpu_v4', False)):
     chip = hardware.get_profile(name)
+    peak, link = cost_model.rates(chip)  # the step model's fitted rates
+    assert peak < chip.peak_flops or link < chip.link_bandwidth  # not the data sheet's
     # 3/4 of a device's bytes over both ring directions, 2 sequential steps of latency;
     # each of 2 chunks' exchanges moves half the bytes and pays all of the latency
-    a = (math.prod(shape) * itemsize / 8 * 3 / 4 / (2 * chip.link_bandwidth)
-         + 2 * chip.step_latency)
+    a = math.prod(shape) * itemsize / 8 * 3 / 4 / (2 * link) + 2 * chip.step_latency
     a_c = a / 2 + chip.step_latency
-    t_c = flops / 8 / chip.peak_flops
+    t_c = flops / 8 / peak
     seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, name)
     np.testing.assert_allclose(seconds['single'], 2 * a + t_c)
     # async all-to-alls (GPU) pipeline the chunks; the TPU compiler blocks on them
@@ -289,20 +290,21 @@ def test_exchange_cost_model_and_auto_choice(devices):
 def test_exchange_chunks_only_where_each_chunk_keeps_the_mxus_busy(devices):
   """Each chunk's experts read all of a device's expert weights again: where those reads
   outlast a chunk's FLOPs, chunking loses (parallelism/moe.py's T(C))."""
-  from parallelism import hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
+  from parallelism import cost_model, hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12
   chip = hardware.get_profile('h100')
+  peak, link = cost_model.rates(chip)  # the step model's fitted rates
   tokens = math.prod(shape) * itemsize / 8  # a device's dispatched bytes
-  a = tokens * 3 / 4 / (2 * chip.link_bandwidth) + 2 * chip.step_latency
+  a = tokens * 3 / 4 / (2 * link) + 2 * chip.step_latency
   a_c = a / 2 + chip.step_latency
   weights = 1e9  # a device's experts, read once per pass over its tokens
-  t = lambda parts: max(flops / 8 / parts / chip.peak_flops,
+  t = lambda parts: max(flops / 8 / parts / peak,
                         (weights + 2 * tokens / parts) / chip.hbm_bandwidth)
   seconds = moe_lib.estimate(shape, itemsize, flops, 8, 4, 2, 'h100', weight_bytes=weights)
   np.testing.assert_allclose(seconds['single'], 2 * a + t(1))
   np.testing.assert_allclose(seconds['chunked'], 2 * a_c + t(2) + max(t(2), 2 * a_c))
-  assert t(2) > flops / 8 / 2 / chip.peak_flops  # a chunk is bound by the weights' reads
+  assert t(2) > flops / 8 / 2 / peak  # a chunk is bound by the weights' reads
   pick = lambda w: moe_lib.decide(shape, itemsize, flops, mesh, 'expert', 2, 'auto', 'h100',
                                   weight_bytes=w).mode
   assert pick(0.0) == 'chunked' and pick(weights) == 'single'
