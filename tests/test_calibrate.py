@@ -16,13 +16,17 @@ def _error_line(capsys) -> str:
   return err[0]
 
 
+def _row(measured_mfu: float) -> calibrate.Row:
+  """The checked-in v5p program of tests/data, as if it were a calibration row."""
+  return calibrate.Row('configs/calibration/maxtext_32b_v5p.py', 'v5p:2x2x2', 8, 10 ** 6,
+                       model_flops_per_chip=1e11, measured_mfu=measured_mfu,
+                       hlo_path=os.path.join(ROOT, 'tests', 'data',
+                                             'async_collective_fusion_v5p.hlo'),
+                       coords=None, memory_gib=1.0)
+
+
 def test_a_row_is_modeled_from_its_program_and_compared_with_the_measurement():
-  # The checked-in v5p program of tests/data, as if it were a calibration row.
-  row = calibrate.Row('configs/calibration/maxtext_32b_v5p.py', 'v5p:2x2x2', 8, 10 ** 6,
-                      model_flops_per_chip=1e11, measured_mfu=0.5,
-                      hlo_path=os.path.join(ROOT, 'tests', 'data',
-                                            'async_collective_fusion_v5p.hlo'),
-                      coords=None, memory_gib=1.0)
+  row = _row(0.5)
   chip = step_model.Chip.from_profile('tpu_v5p')
   m = row.model(chip)
   with open(row.hlo_path, encoding='utf-8') as f:
@@ -102,11 +106,7 @@ def test_fit_searches_both_constants_and_each_alone():
   # A row measured as the model times its program with matmuls at 90% of peak: the matmul
   # efficiency alone fits it exactly; the link efficiency alone only as far as slower links
   # lengthen the step by as much, and both together at least as well as either.
-  row = calibrate.Row('configs/calibration/maxtext_32b_v5p.py', 'v5p:2x2x2', 8, 10 ** 6,
-                      model_flops_per_chip=1e11, measured_mfu=0.0,
-                      hlo_path=os.path.join(ROOT, 'tests', 'data',
-                                            'async_collective_fusion_v5p.hlo'),
-                      coords=None, memory_gib=1.0)
+  row = _row(0.0)
   sheet = step_model.Chip.from_profile('tpu_v5p', calibrated=False)
   row.measured_mfu = row.model(dataclasses.replace(sheet, matmul_efficiency=0.9))['mfu']
   fitted = calibrate.fit([row], 'tpu_v5p')
