@@ -236,7 +236,7 @@ def findings(rows: list[Row], worst: float) -> str:
       '(`--config.parallelism.ring_dtype=float32` compiles fp32 ones).')
 
 
-def alternative_note(rows: list[Row], chip: step_model.Chip) -> str:
+def alternative_note(rows: list[Row]) -> str:
   """The rows under ``step_model.ALTERNATIVE``, the other constants that fit them."""
   if not all(r.alternative for r in rows):
     return ''
@@ -268,13 +268,13 @@ def write_doc(rows: list[Row], chip: step_model.Chip) -> None:
            '`python -m benchmarks.calibrate --fit` searches them over these rows); the model '
            f'is not tuned per row. Worst error: **{worst:.1f} MFU points**.', ''] + table(rows) + [
            '', f'![modeled vs measured MFU]({os.path.basename(PLOT)})', '',
-           'Columns (all per chip, modeled): *matmul at fitted rate* is the program\'s matmul FLOPs '
-           'at the fitted matmul rate; *memory-bound* is the rest of the compute time, '
+           'Columns (all per chip, modeled): *matmul at fitted rate* is the program\'s matmul '
+           'FLOPs at the fitted matmul rate; *memory-bound* is the rest of the compute time, '
            'instructions whose bytes over HBM bandwidth outlast their FLOPs (elementwise work, '
            'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the schedule waits for transfers; '
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
-           findings(rows, worst), '', alternative_note(rows, chip), '', memory_note(rows), '',
+           findings(rows, worst), '', alternative_note(rows), '', memory_note(rows), '',
            'Differences between our programs and MaxText\'s that remain are listed in each '
            "config's docstring (configs/calibration/).", '']
   with open(DOC, 'w', encoding='utf-8') as f:

@@ -641,7 +641,8 @@ def render_mfu_target(aot: dict) -> list[str]:
           f"({useful / base['compute_seconds']:.1%}): the program's matmul FLOPs are "
           f"{recompute:.2f}x the model's (with what remat `{s.get('remat', '?')}` recomputes), "
           f"which at the fitted MXU rate ({step_model.MATMUL_EFFICIENCY:.0%} of peak) alone "
-          f"take {recompute * useful / step_model.MATMUL_EFFICIENCY:.3f} s. Between ours and {target:.0%}: its compute beyond "
+          f"take {recompute * useful / step_model.MATMUL_EFFICIENCY:.3f} s. Between ours and "
+          f"{target:.0%}: its compute beyond "
           f"the baseline's ({ours['compute_seconds'] - base['compute_seconds']:+.3f} s, the "
           "terms above), its exposed communication "
           f"({ours['exposed_communication_seconds']:.3f} s) and the recomputation.", '']

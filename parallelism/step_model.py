@@ -70,7 +70,7 @@ both: matmul 0.93 with links at 1.0, or links 0.79 with matmuls at 1.0).
 The matmul efficiency is the one set: the cost model (parallelism/cost_model.py)
 rates rings with both constants, and at link efficiency 0.79 it moves v4
 dense_500b's attention weight gradients onto rings over ``fsdp``, a program the
-model itself times slower than today's under those constants
+model itself times 3% slower than today's under either fit
 (docs/paper_scale.md). The other fit is ``ALTERNATIVE``: docs/benchmarks.md
 shows every claim under it too. Setting them from ``--fit``'s output is a
 choice made here by hand, not per row.

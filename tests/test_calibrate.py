@@ -117,6 +117,6 @@ def test_fit_searches_both_constants_and_each_alone():
   assert links['link_efficiency'] < 1.0 and 'matmul_efficiency' not in links
   assert links['worst_error_points'] > alone['worst_error_points']
   assert fitted['both']['worst_error_points'] <= alone['worst_error_points'] + 1e-9
-  assert calibrate.alternative_note([row], sheet) == ''  # not modeled under ALTERNATIVE
+  assert calibrate.alternative_note([row]) == ''  # not modeled under ALTERNATIVE
   row.alternative = {'mfu': row.measured_mfu + 0.01, 'error_points': 1.0, 'step_seconds': 1.0}
-  assert 'maxtext_32b_v5p +1.0 (worst 1.0 points)' in calibrate.alternative_note([row], sheet)
+  assert 'maxtext_32b_v5p +1.0 (worst 1.0 points)' in calibrate.alternative_note([row])

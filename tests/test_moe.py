@@ -248,7 +248,8 @@ def test_moe_small_trains_through_the_cli(tmp_path, capsys):
 
 def test_exchange_cost_model_and_auto_choice(devices):
   """The modeled times follow parallelism/moe.py's formulas; auto picks the faster."""
-  from parallelism import cost_model, hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from parallelism import cost_model, hardware, moe as moe_lib
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12  # [batch, exp, capacity, embed]
   for name, overlaps in (('h100', True), ('tpu_v4', False)):
@@ -290,7 +291,8 @@ def test_exchange_cost_model_and_auto_choice(devices):
 def test_exchange_chunks_only_where_each_chunk_keeps_the_mxus_busy(devices):
   """Each chunk's experts read all of a device's expert weights again: where those reads
   outlast a chunk's FLOPs, chunking loses (parallelism/moe.py's T(C))."""
-  from parallelism import cost_model, hardware, moe as moe_lib  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from parallelism import cost_model, hardware, moe as moe_lib
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12
   chip = hardware.get_profile('h100')
