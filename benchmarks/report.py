@@ -336,12 +336,10 @@ def render_alternative(aot: dict) -> list[str]:
     if not all('alternative' in m.get(v, {}) for v in ('baseline', 'ours')):
       continue
     alt = {v: m[v]['alternative'] for v in m if 'alternative' in m[v]}
-    ratio = lambda v, over: m[over]['step_seconds'] / m[v]['step_seconds']
-    other = lambda v, over: alt[over]['step_seconds'] / alt[v]['step_seconds']
-    rows.append([name, f"{ratio('ours', 'baseline'):.3f}x", f"{other('ours', 'baseline'):.3f}x",
-                 f"{ratio('ours', 'xla'):.3f}x" if 'xla' in alt else '-',
-                 f"{other('ours', 'xla'):.3f}x" if 'xla' in alt else '-',
-                 f"{m['ours']['mfu']:.1%}", f"{alt['ours']['mfu']:.1%}"])
+    vs = lambda src, over: (f"{src[over]['step_seconds'] / src['ours']['step_seconds']:.3f}x"
+                            if over in src else '-')  # ours against ``over``, one fit
+    rows.append([name] + [vs(src, over) for over in ('baseline', 'xla') for src in (m, alt)]
+                + [f"{src['ours']['mfu']:.1%}" for src in (m, alt)])
   if not rows:
     return []
   constants = ', '.join(f'`{k}` = {v}' for k, v in step_model.ALTERNATIVE.items())
