@@ -14,17 +14,18 @@ next to the measured MFU (``aot.measured_mfu`` of the config) and the error in
 points. Exit status 1 when a row is off by more than ``--tolerance`` points.
 
 ``--config.*`` overrides and ``--topology`` apply to every config, so another
-published shape is checked the same way, e.g. MaxText's 64B on v5p-128 (70.31%):
+published shape is checked the same way, e.g. MaxText's 128B on v5p-512 (68.83%):
 
-  python -m benchmarks.calibrate --configs configs/calibration/maxtext_32b_v5p.py \
-      --config.model.num_layers=64 --config.model.d_model=8192 ... \
-      --config.aot.measured_mfu=0.7031
+  python -m benchmarks.calibrate --configs configs/calibration/maxtext_128b_v5p.py \
+      --topology v5p:4x8x8 --config.mesh.fsdp=32 --config.batch_size=256 \
+      --config.aot.measured_mfu=0.6883
 
 ``--fit`` searches the model's two fitted constants (``step_model.FITTED``)
 for the smallest worst-row error over the rows compiled, re-reading the
 compiled programs, and prints them; the constants in parallelism/step_model.py
-are set from this output by hand. Without overrides the three MaxText rows are
-written to docs/calibration.md with a plot (docs/calibration.png).
+are set from this output by hand. Without overrides MaxText's rows (its single-slice
+v5p runs: 32B, 64B, 128B, 256B and 512B) are written to docs/calibration.md with a
+plot (docs/calibration.png), and with the fit's result (searched then, ``--fit`` or not).
 
 The measured MFU is compared over the FLOPs our MFU counts: a row whose measurement
 counted every (query, key) pair of causal attention (``aot.measured_attention='full'``,
@@ -68,7 +69,8 @@ def parse_args(argv):
                       help='comma-separated calibration configs (default: the MaxText rows)')
   parser.add_argument('--topology', default=None, help="TPU slice (default: each config's)")
   parser.add_argument('--fit', action='store_true', help='search the fitted constants')
-  parser.add_argument('--tolerance', type=float, default=5.0, help='MFU points allowed')
+  parser.add_argument('--tolerance', type=float, default=step_model.TOLERANCE_POINTS,
+                      help='MFU points allowed')
   parser.add_argument('--hlo_dir', default=None, help='keep the compiled programs here')
   parser.add_argument('--json', action='store_true', help='print one JSON object')
   parser.add_argument('--render', action='store_true',
@@ -202,16 +204,21 @@ def memory_note(rows: list[Row]) -> str:
   """Which rows' programs need more memory per chip than a chip gives one program."""
   gib = lambda r: hardware.TPU_PREFIXES[r.topology.split(':')[0]].usable_hbm_bytes / 2**30
   over = [r for r in rows if r.memory_gib > gib(r)]
-  text = ' '.join(
-      f'The {_name(r.config)} row\'s program needs {r.memory_gib:.1f} GiB per chip (the GiB/chip '
-      f'column, the compiler\'s `memory_analysis()`), above the {gib(r):.2f} GiB a '
-      f'{r.topology.split(":")[0]} chip gives one program (`launch.aot` would mark it DOES NOT '
-      'FIT); the compiler compiled it all the same, and the model reads that program (its '
-      'config\'s docstring says why).' for r in over)
-  fit = len(rows) - len(over)
   if not over:
     return '**Memory.** Every row\'s program fits a chip.'
-  return f'**Memory.** {text} ' + (f'The other {fit} fit.' if fit else '')
+  names = ' and '.join(', '.join(_name(r.config) for r in over).rsplit(', ', 1))
+  sizes = ' and '.join(', '.join(f'{r.memory_gib:.1f}' for r in over).rsplit(', ', 1))
+  chips = sorted({f'{gib(r):.2f} GiB a {r.topology.split(":")[0]} chip' for r in over})
+  text = (f'The {names} row{"s" if len(over) > 1 else ""}\'{"" if len(over) > 1 else "s"} '
+          f'program{"s" if len(over) > 1 else ""} need{"" if len(over) > 1 else "s"} {sizes} '
+          'GiB per chip (the GiB/chip column, the compiler\'s `memory_analysis()`), above the '
+          f'{" and ".join(chips)} gives one program (`launch.aot` would mark '
+          f'{"them" if len(over) > 1 else "it"} DOES NOT FIT); the compiler compiled '
+          f'{"them" if len(over) > 1 else "it"} all the same, and the model reads '
+          f'{"those programs" if len(over) > 1 else "that program"} (each config\'s docstring '
+          'says why).')
+  fit_count = len(rows) - len(over)
+  return f'**Memory.** {text}' + (f' The other {fit_count} fit.' if fit_count else '')
 
 
 def findings(rows: list[Row], worst: float) -> str:
@@ -220,8 +227,9 @@ def findings(rows: list[Row], worst: float) -> str:
   side = ('above' if min(errors) > 0 else 'below' if max(errors) < 0 else 'on both sides of')
   text = (f'**What the calibration shows.** The modeled MFU of our compiled programs is {side} '
           f'MaxText\'s measured MFU ({min(errors):+.1f} to {max(errors):+.1f} points), ')
-  text += ('within the 5-point target on every row. ' if worst <= 5 else
-           'outside the 5-point target on some rows. ')
+  target = f'{step_model.TOLERANCE_POINTS:g}-point target'
+  text += (f'within the {target} on every row. ' if worst <= step_model.TOLERANCE_POINTS else
+           f'outside the {target} on some rows. ')
   text += ('The modeled step is matmul time at the fitted rate plus memory-bound compute plus '
            'exposed communication. ')
   if min(errors) > 0:
@@ -245,14 +253,30 @@ def alternative_note(rows: list[Row]) -> str:
   worst = max(abs(r.alternative['error_points']) for r in rows)
   return (f'**Another fit.** These rows cannot tell the two constants apart: with {other} '
           f'(`step_model.ALTERNATIVE`) the errors are {errors} (worst {worst:.1f} points). '
-          'The constants set are the matmul efficiency\'s fit: the cost model rates rings '
-          'with both, and with the link efficiency lowered it moves v4 dense_500b\'s '
+          'The constants set lower the matmul efficiency, not the link\'s: the cost model '
+          'rates rings with both, and with the link efficiency lowered it moves v4 dense_500b\'s '
           'attention weight gradients onto rings over fsdp, a program the step model times '
           'slower under either fit ([paper_scale.md](paper_scale.md)). '
           '[benchmarks.md](benchmarks.md) shows every modeled claim under both.')
 
 
-def write_doc(rows: list[Row], chip: step_model.Chip) -> None:
+def fit_note(fitted: dict | None, worst_now: float) -> str:
+  """``--fit``'s result over the rows written, and whether the constants set are it."""
+  if not fitted:
+    return ''
+  each = '; '.join(
+      f'{label}: ' + ', '.join(f'`{k}` = {v}' for k, v in found.items()
+                                if k != 'worst_error_points')
+      + f' (worst {found["worst_error_points"]:.1f} points)' for label, found in fitted.items())
+  text = ('**Fit over these rows** (`--fit`: the constants with the smallest worst error; '
+          f'each alone with the other at 1.0): {each}.')
+  if min(found['worst_error_points'] for found in fitted.values()) < worst_now - 0.05:
+    text += (f' The constants set (worst {worst_now:.1f} points) are not these rows\' fit: '
+             '[paper_scale.md](paper_scale.md) says why, and what setting it would change.')
+  return text
+
+
+def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None) -> None:
   constants = ', '.join(f'`{k}` = {getattr(chip, k)}' for k in step_model.FITTED)
   worst = max(abs(r.modeled['error_points']) for r in rows)
   lines = ['# Calibration: the step model against measured MFU', '',
@@ -274,13 +298,14 @@ def write_doc(rows: list[Row], chip: step_model.Chip) -> None:
            'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the schedule waits for transfers; '
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
-           findings(rows, worst), '', alternative_note(rows), '', memory_note(rows), '',
+           findings(rows, worst), '', alternative_note(rows), '', fit_note(fitted, worst), '',
+           memory_note(rows), '',
            'Differences between our programs and MaxText\'s that remain are listed in each '
            "config's docstring (configs/calibration/).", '']
   with open(DOC, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines))
   with open(DOC.replace('.md', '.json'), 'w', encoding='utf-8') as f:
-    json.dump([_record(r) for r in rows], f, indent=1)
+    json.dump({'rows': [_record(r) for r in rows], 'fit': fitted}, f, indent=1)
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -302,7 +327,7 @@ def render() -> int:
   with open(DOC.replace('.md', '.json'), encoding='utf-8') as f:
     stored = json.load(f)
   rows = []
-  for record in stored:
+  for record in stored['rows']:
     path = next(p for p in CONFIGS if _name(p) == record['config'])
     cfg = config_lib.load(os.path.join(ROOT, path), [])
     fields = {k: v for k, v in record.items() if k in Row.__dataclass_fields__}
@@ -314,7 +339,7 @@ def render() -> int:
         modeled['error_points'] = 100 * (modeled['mfu'] - r.measured_mfu)
     rows.append(r)
   chip = step_model.Chip.from_profile(aot.parse_topology(rows[0].topology)[0].name)
-  write_doc(rows, chip)
+  write_doc(rows, chip, stored['fit'])
   print('\n'.join(table(rows)))
   print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)} from the stored rows',
         file=sys.stderr)
@@ -351,8 +376,9 @@ def main(argv=None) -> int:
       print(f'error: {e}', file=sys.stderr)
       return 2 if isinstance(e, ConfigError) else 1
     chip_name = aot.parse_topology(rows[0].topology)[0].name
+    fitted = fit(rows, chip_name) if args.fit or writes_doc else None
     if args.fit:
-      print(f'fitted constants: {json.dumps(fit(rows, chip_name))}', file=sys.stderr)
+      print(f'fitted constants: {json.dumps(fitted)}', file=sys.stderr)
     chip = step_model.Chip.from_profile(chip_name)
     other = dataclasses.replace(chip, **step_model.ALTERNATIVE)
     for r in rows:
@@ -361,7 +387,7 @@ def main(argv=None) -> int:
   out = [_record(r) for r in rows]
   print(json.dumps(out, indent=1) if args.json else '\n'.join(table(rows)))
   if writes_doc:
-    write_doc(rows, chip)
+    write_doc(rows, chip, fitted)
     print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)}', file=sys.stderr)
   worst = max(abs(r.modeled['error_points']) for r in rows)
   print(f'worst |modeled - measured| = {worst:.1f} MFU points (tolerance {args.tolerance}; '

@@ -43,14 +43,19 @@ def test_a_row_is_modeled_from_its_program_and_compared_with_the_measurement():
   assert calibrate.memory_note([big, row]).startswith(
       "**Memory.** The maxtext_32b_v5p row's program needs 99.4 GiB per chip")
   assert 'above the 95.74 GiB a v5p chip' in calibrate.memory_note([big, row])
+  two = calibrate.memory_note([big, dataclasses.replace(big, memory_gib=98.1), row])
+  assert two.startswith("**Memory.** The maxtext_32b_v5p and maxtext_32b_v5p rows' programs "
+                        'need 99.4 and 98.1 GiB per chip')
+  assert two.endswith('The other 1 fit.')
   assert calibrate.memory_note([big, row]).endswith('The other 1 fit.')
   lines = calibrate.table([row])
   assert lines[0].startswith('| config |') and 'maxtext_32b_v5p' in lines[2]
 
 
-def test_the_default_rows_are_maxtexts_three():
+def test_the_default_rows_are_maxtexts_single_slice_v5p_runs_by_size():
   assert [os.path.basename(c) for c in calibrate.CONFIGS] == [
-      'maxtext_32b_v5p.py', 'maxtext_128b_v5p.py', 'maxtext_512b_v5p.py']
+      'maxtext_32b_v5p.py', 'maxtext_64b_v5p.py', 'maxtext_128b_v5p.py',
+      'maxtext_256b_v5p.py', 'maxtext_512b_v5p.py']
 
 
 def test_a_config_without_a_measurement_is_refused(capsys):
@@ -120,3 +125,16 @@ def test_fit_searches_both_constants_and_each_alone():
   assert calibrate.alternative_note([row]) == ''  # not modeled under ALTERNATIVE
   row.alternative = {'mfu': row.measured_mfu + 0.01, 'error_points': 1.0, 'step_seconds': 1.0}
   assert 'maxtext_32b_v5p +1.0 (worst 1.0 points)' in calibrate.alternative_note([row])
+
+
+def test_the_fit_is_written_beside_the_constants_set():
+  fitted = {'both': {'matmul_efficiency': 0.97, 'link_efficiency': 0.71,
+                     'worst_error_points': 4.41},
+            'matmul_efficiency alone': {'matmul_efficiency': 0.87, 'worst_error_points': 4.51}}
+  note = calibrate.fit_note(fitted, 8.0)
+  assert note.startswith('**Fit over these rows**')
+  assert 'both: `matmul_efficiency` = 0.97, `link_efficiency` = 0.71 (worst 4.4 points)' in note
+  assert 'matmul_efficiency alone: `matmul_efficiency` = 0.87 (worst 4.5 points)' in note
+  assert "The constants set (worst 8.0 points) are not these rows' fit" in note
+  assert 'are not these rows' not in calibrate.fit_note(fitted, 4.41)  # the set ones fit
+  assert calibrate.fit_note(None, 8.0) == ''
