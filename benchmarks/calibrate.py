@@ -255,13 +255,14 @@ def alternative_note(rows: list[Row]) -> str:
           f'(`step_model.ALTERNATIVE`) the errors are {errors} (worst {worst:.1f} points). '
           'The constants set lower the matmul efficiency, not the link\'s: the cost model '
           'rates rings with both, and with the link efficiency lowered it moves v4 dense_500b\'s '
-          'attention weight gradients onto rings over fsdp, a program the step model times '
-          'slower under either fit ([paper_scale.md](paper_scale.md)). '
+          'attention weight gradients onto rings over fsdp, a plan the step model timed '
+          'slower under either fit when last compiled, at links 0.79 '
+          '([paper_scale.md](paper_scale.md)). '
           '[benchmarks.md](benchmarks.md) shows every modeled claim under both.')
 
 
-def fit_note(fitted: dict | None, worst_now: float) -> str:
-  """``--fit``'s result over the rows written, and whether the constants set are it."""
+def fit_note(fitted: dict | None, chip: step_model.Chip, worst_now: float) -> str:
+  """``--fit``'s result over the rows written, and which of its fits the constants set are."""
   if not fitted:
     return ''
   each = '; '.join(
@@ -270,10 +271,14 @@ def fit_note(fitted: dict | None, worst_now: float) -> str:
       + f' (worst {found["worst_error_points"]:.1f} points)' for label, found in fitted.items())
   text = ('**Fit over these rows** (`--fit`: the constants with the smallest worst error; '
           f'each alone with the other at 1.0): {each}.')
-  if min(found['worst_error_points'] for found in fitted.values()) < worst_now - 0.05:
-    text += (f' The constants set (worst {worst_now:.1f} points) are not these rows\' fit: '
-             '[paper_scale.md](paper_scale.md) says why, and what setting it would change.')
-  return text
+  set_here = {k: getattr(chip, k) for k in step_model.FITTED}
+  chosen = [label for label, found in fitted.items()
+            if all(abs(found.get(k, 1.0) - v) < 1e-9 for k, v in set_here.items())]
+  if chosen:
+    return text + (f' The constants set are the {chosen[0]} fit; which of the fits to set, '
+                   'the rows cannot say: [paper_scale.md](paper_scale.md) says why this one.')
+  return text + (f' The constants set (worst {worst_now:.1f} points) are none of these: '
+                 '[paper_scale.md](paper_scale.md) says why, and what setting one would change.')
 
 
 def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None) -> None:
@@ -298,7 +303,7 @@ def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None) -> No
            'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the schedule waits for transfers; '
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
-           findings(rows, worst), '', alternative_note(rows), '', fit_note(fitted, worst), '',
+           findings(rows, worst), '', alternative_note(rows), '', fit_note(fitted, chip, worst), '',
            memory_note(rows), '',
            'Differences between our programs and MaxText\'s that remain are listed in each '
            "config's docstring (configs/calibration/).", '']

@@ -8,7 +8,7 @@ weights and AdamW state, remat 'minimal' (projection outputs kept). The smallest
 of the paper's model sizes (Wang et al., ASPLOS 2023: 10B to 1T parameters).
 
 The layout is the layout search's best (`python -m launch.aot --config
-configs/dense_10b.py --search`): 70.8% modeled MFU for every variant (`python -m
+configs/dense_10b.py --search`): 67.1% modeled MFU for every variant (`python -m
 benchmarks.report --only aot --configs dense_10b`, docs/benchmarks.md). When the
 search chose it, before the step model's nested-slice fix, it modeled 63.4%,
 against 55.1% for ours at the earlier fsdp=32 x tensor=4 with full remat; those
@@ -22,8 +22,8 @@ time (needs the tpu extra) and read memory fit and the modeled step time:
   python -m launch.aot --config configs/dense_10b.py --topology v4:4x4x8
 
 The modeled seconds in the comments below compare layouts and settings with one
-another; they were modeled before the step model's calibration refit of
-2026-12-04 (matmuls then at the data sheet's peak, now at 93% of it).
+another; they were modeled before the step model's calibration refits of
+2026-12-04 (matmuls then at the data sheet's peak, now at 87% of it).
 Today's figures for this config: docs/benchmarks.md.
 """
 

@@ -19,8 +19,8 @@ time (needs the tpu extra) and read memory fit and the modeled step time:
 Expect FITS and three modeled variants (see docs/benchmarks.md).
 
 The modeled seconds in the comments below compare layouts and settings with one
-another; they were modeled before the step model's calibration refit of
-2026-12-04 (matmuls then at the data sheet's peak, now at 93% of it).
+another; they were modeled before the step model's calibration refits of
+2026-12-04 (matmuls then at the data sheet's peak, now at 87% of it).
 Today's figures for this config: docs/benchmarks.md.
 """
 

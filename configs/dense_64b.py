@@ -15,8 +15,8 @@ time (needs the tpu extra) and read memory fit and the modeled step time:
   python -m launch.aot --config configs/dense_64b.py --topology v4:8x8x8
 
 The modeled seconds in the comments below compare layouts and settings with one
-another; they were modeled before the step model's calibration refit of
-2026-12-04 (matmuls then at the data sheet's peak, now at 93% of it).
+another; they were modeled before the step model's calibration refits of
+2026-12-04 (matmuls then at the data sheet's peak, now at 87% of it).
 Today's figures for this config: docs/benchmarks.md.
 """
 

@@ -12,8 +12,8 @@ holds more tokens per chip and more saved activations than v4's 30.75 GiB, so
 each layout is searched on its v5p slice rather than taken from v4.
 
 The modeled seconds in the comments below compare layouts and settings with one
-another; they were modeled before the step model's calibration refit of
-2026-12-04 (matmuls then at the data sheet's peak, now at 93% of it).
+another; they were modeled before the step model's calibration refits of
+2026-12-04 (matmuls then at the data sheet's peak, now at 87% of it).
 Today's figures for this config: docs/benchmarks.md.
 """
 

@@ -131,10 +131,13 @@ def test_the_fit_is_written_beside_the_constants_set():
   fitted = {'both': {'matmul_efficiency': 0.97, 'link_efficiency': 0.71,
                      'worst_error_points': 4.41},
             'matmul_efficiency alone': {'matmul_efficiency': 0.87, 'worst_error_points': 4.51}}
-  note = calibrate.fit_note(fitted, 8.0)
+  chip = step_model.Chip.from_profile('tpu_v5p', calibrated=False)
+  note = calibrate.fit_note(fitted, chip, 8.0)
   assert note.startswith('**Fit over these rows**')
   assert 'both: `matmul_efficiency` = 0.97, `link_efficiency` = 0.71 (worst 4.4 points)' in note
   assert 'matmul_efficiency alone: `matmul_efficiency` = 0.87 (worst 4.5 points)' in note
-  assert "The constants set (worst 8.0 points) are not these rows' fit" in note
-  assert 'are not these rows' not in calibrate.fit_note(fitted, 4.41)  # the set ones fit
-  assert calibrate.fit_note(None, 8.0) == ''
+  assert 'The constants set (worst 8.0 points) are none of these' in note
+  set_alone = dataclasses.replace(chip, matmul_efficiency=0.87)
+  assert ('The constants set are the matmul_efficiency alone fit'
+          in calibrate.fit_note(fitted, set_alone, 4.51))
+  assert calibrate.fit_note(None, chip, 8.0) == ''
