@@ -206,17 +206,15 @@ def memory_note(rows: list[Row]) -> str:
   over = [r for r in rows if r.memory_gib > gib(r)]
   if not over:
     return '**Memory.** Every row\'s program fits a chip.'
-  names = ' and '.join(', '.join(_name(r.config) for r in over).rsplit(', ', 1))
-  sizes = ' and '.join(', '.join(f'{r.memory_gib:.1f}' for r in over).rsplit(', ', 1))
+  joined = lambda items: ' and '.join(', '.join(items).rsplit(', ', 1))
   chips = sorted({f'{gib(r):.2f} GiB a {r.topology.split(":")[0]} chip' for r in over})
-  text = (f'The {names} row{"s" if len(over) > 1 else ""}\'{"" if len(over) > 1 else "s"} '
-          f'program{"s" if len(over) > 1 else ""} need{"" if len(over) > 1 else "s"} {sizes} '
-          'GiB per chip (the GiB/chip column, the compiler\'s `memory_analysis()`), above the '
-          f'{" and ".join(chips)} gives one program (`launch.aot` would mark '
-          f'{"them" if len(over) > 1 else "it"} DOES NOT FIT); the compiler compiled '
-          f'{"them" if len(over) > 1 else "it"} all the same, and the model reads '
-          f'{"those programs" if len(over) > 1 else "that program"} (each config\'s docstring '
-          'says why).')
+  it, that, rows_, needs = (('them', 'those programs', "rows' programs", 'need') if len(over) > 1
+                            else ('it', 'that program', "row's program", 'needs'))
+  text = (f'The {joined(_name(r.config) for r in over)} {rows_} {needs} '
+          f'{joined(f"{r.memory_gib:.1f}" for r in over)} GiB per chip (the GiB/chip column, '
+          f'the compiler\'s `memory_analysis()`), above the {joined(chips)} gives one program '
+          f'(`launch.aot` would mark {it} DOES NOT FIT); the compiler compiled {it} all the same, '
+          f'and the model reads {that} (each config\'s docstring says why).')
   fit_count = len(rows) - len(over)
   return f'**Memory.** {text}' + (f' The other {fit_count} fit.' if fit_count else '')
 
@@ -303,8 +301,8 @@ def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None) -> No
            'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the schedule waits for transfers; '
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
-           findings(rows, worst), '', alternative_note(rows), '', fit_note(fitted, chip, worst), '',
-           memory_note(rows), '',
+           findings(rows, worst), '', alternative_note(rows), '',
+           fit_note(fitted, chip, worst), '', memory_note(rows), '',
            'Differences between our programs and MaxText\'s that remain are listed in each '
            "config's docstring (configs/calibration/).", '']
   with open(DOC, 'w', encoding='utf-8') as f:
