@@ -208,9 +208,9 @@ def memory_note(rows: list[Row]) -> str:
     return '**Memory.** Every row\'s program fits a chip.'
   joined = lambda items: ' and '.join(', '.join(items).rsplit(', ', 1))
   chips = sorted({f'{gib(r):.2f} GiB a {r.topology.split(":")[0]} chip' for r in over})
-  it, that, rows_, needs = (('them', 'those programs', "rows' programs", 'need') if len(over) > 1
+  it, that, noun, needs = (('them', 'those programs', "rows' programs", 'need') if len(over) > 1
                             else ('it', 'that program', "row's program", 'needs'))
-  text = (f'The {joined(_name(r.config) for r in over)} {rows_} {needs} '
+  text = (f'The {joined(_name(r.config) for r in over)} {noun} {needs} '
           f'{joined(f"{r.memory_gib:.1f}" for r in over)} GiB per chip (the GiB/chip column, '
           f'the compiler\'s `memory_analysis()`), above the {joined(chips)} gives one program '
           f'(`launch.aot` would mark {it} DOES NOT FIT); the compiler compiled {it} all the same, '
