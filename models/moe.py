@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.ops import Ops, param
+from models.ops import Ops, param, weight
 
 DISPATCHED = ('batch', 'exp', 'capacity', 'embed')   # before the exchange
 AT_EXPERTS = ('exp', 'batch', 'capacity', 'embed')   # after it
@@ -152,7 +152,7 @@ class MoeMlp(nnx.Module):
   def __call__(self, x_btd: jax.Array, residual_axes) -> tuple[jax.Array, dict]:
     ops, dt = self.ops, jnp.dtype(self.dtype)
     x_btd = ops.constrain(x_btd, ('batch', 'length', 'embed'))
-    logits = checkpoint_name(jnp.einsum('btd,de->bte', x_btd, self.router_de[...].astype(dt),
+    logits = checkpoint_name(jnp.einsum('btd,de->bte', x_btd, weight(self.router_de[...], dt),
                                         preferred_element_type=jnp.float32), 'moe_router')
     r = route(logits, self.moe.top_k, self.moe.capacity(x_btd.shape[1]))
     x_becd = ops.constrain(jnp.einsum('btd,btec->becd', x_btd, r.dispatch_btec.astype(dt)),
@@ -172,11 +172,11 @@ class MoeMlp(nnx.Module):
     # The hidden activations split mlp, not capacity, over the axis that splits both
     # elsewhere (the experts' tensor parallelism): capacity gets no name here.
     hid = ('exp', 'batch', None, 'mlp')
-    up = lambda w, name: ops.einsum('ebcd,edf->ebcf', x_ebcd, w[...].astype(dt),
+    up = lambda w, name: ops.einsum('ebcd,edf->ebcf', x_ebcd, weight(w[...], dt),
                                     x_axes=AT_EXPERTS, w_axes=('exp', 'embed', 'mlp'),
                                     out_axes=hid, name=f'{self.path}.{name}')
     h = jax.nn.silu(up(self.gate_edf, 'gate')) * up(self.up_edf, 'up')
-    return ops.einsum('ebcf,efd->ebcd', h, self.down_efd[...].astype(dt), x_axes=hid,
+    return ops.einsum('ebcf,efd->ebcd', h, weight(self.down_efd[...], dt), x_axes=hid,
                       w_axes=('exp', 'mlp', 'embed'), out_axes=AT_EXPERTS,
                       name=f'{self.path}.down')
 

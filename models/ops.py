@@ -9,6 +9,8 @@ mesh shardings (and, later, replaces einsums by decomposed collective einsums).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,6 +29,32 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, dtype: str, fan_in
   init = jax.nn.initializers.normal(stddev=scale * fan_in ** -0.5)
   return nnx.Param(init(rngs.params(), shape, jnp.dtype(dtype)), out_sharding=axes,
                    eager_sharding=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def weight(w: jax.Array, dtype) -> jax.Array:
+  """``w`` cast to the compute ``dtype``, its gradient left in that dtype.
+
+  The gradient of a cast to bf16 is bf16; a plain ``astype`` converts it back to the
+  weight's fp32 inside each layer, and a scan over the layers stacks those fp32
+  gradients, a weight-sized buffer held through the backward pass. Left in bf16 they
+  stack in half the bytes, with the same values (the conversion is exact): the train
+  step converts them to the parameters' dtype (``trainer.step``), where the optimizer's
+  update reads them. For weights used once per step (not a tied embedding, whose two
+  uses' gradients add).
+  """
+  return w.astype(dtype)
+
+
+def _weight_fwd(w, dtype):
+  return w.astype(dtype), None
+
+
+def _weight_bwd(dtype, _, g):
+  return (g,)
+
+
+weight.defvjp(_weight_fwd, _weight_bwd)
 
 
 def saved(x: jax.Array, name: str | None,

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.attention import attend_blockwise, attend_cudnn, attend_splash
 from models.moe import MoeConfig, MoeMlp, zero_aux
-from models.ops import Ops, param
+from models.ops import Ops, param, weight
 
 # The projections' outputs, named where each is made: q/k/v (or the fused qkv), the
 # attention output, the MLP's gate/up and down, the MoE router's logits.
@@ -223,7 +223,7 @@ class Attention(nnx.Module):
     proj = lambda eq, w, w_axes, out_axes, name: ops.einsum(
         eq, x_btd, w, x_axes=RESIDUAL, w_axes=w_axes,
         out_axes=out_axes, name=f'{self.path}.{name}')
-    q, k, v = (w[...].astype(dt) for w in (self.q_dnh, self.k_dkh, self.v_dkh))
+    q, k, v = (weight(w[...], dt) for w in (self.q_dnh, self.k_dkh, self.v_dkh))
     if cfg.fused_projections:  # one einsum; each kv head's group of queries, then k, v
       b, t, n, h, kv = *x_btd.shape[:2], cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
       g = n // kv
@@ -259,7 +259,7 @@ class Attention(nnx.Module):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     out_btnh = ops.constrain(out_btnh, ('batch', 'length', 'heads', 'head_dim'))
     return checkpoint_name(ops.einsum(
-        'btnh,nhd->btd', out_btnh, self.o_nhd[...].astype(dt),
+        'btnh,nhd->btd', out_btnh, weight(self.o_nhd[...], dt),
         x_axes=('batch', 'length', 'heads', 'head_dim'),
         w_axes=('heads', 'head_dim', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.o'),
         'out_proj')
@@ -302,7 +302,7 @@ class Mlp(nnx.Module):
   def __call__(self, x_btd):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     hid = ('batch', 'length', 'mlp')
-    gate, up = self.gate_df[...].astype(dt), self.up_df[...].astype(dt)
+    gate, up = weight(self.gate_df[...], dt), weight(self.up_df[...], dt)
     if self.cfg.fused_projections:  # one einsum over both weights
       both = ops.einsum('btd,sdf->btsf', x_btd, jnp.stack([gate, up]), x_axes=RESIDUAL,
                         w_axes=(None, 'embed', 'mlp'), out_axes=('batch', 'length', None, 'mlp'),
@@ -317,7 +317,7 @@ class Mlp(nnx.Module):
                       ((gate, 'gate'), (up, 'up')))
     h_btf = jax.nn.silu(gated) * upped
     return checkpoint_name(ops.einsum(
-        'btf,fd->btd', h_btf, self.down_fd[...].astype(dt), x_axes=hid,
+        'btf,fd->btd', h_btf, weight(self.down_fd[...], dt), x_axes=hid,
         w_axes=('mlp', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.down'), 'mlp_down')
 
 

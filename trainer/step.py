@@ -49,7 +49,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                 + moe.router_z_weight * aux['router_z_loss'])
     return total, (ce, aux if moe.enabled else {})
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def grad_fn(params, batch):
+    # Layer weights' gradients arrive in the compute dtype (``models.ops.weight``); the
+    # optimizer and the accumulation over microbatches work in the parameters' dtype.
+    out, grads = value_and_grad(params, batch)
+    return out, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
 
   def accumulate(params, batch):
     micro = jax.tree.map(
