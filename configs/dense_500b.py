@@ -19,8 +19,9 @@ time (needs the tpu extra) and read memory fit and the modeled step time:
 Expect FITS and three modeled variants (see docs/benchmarks.md).
 
 The modeled seconds in the comments below compare layouts and settings with one
-another; they were modeled before the step model's calibration refits of
-2026-12-04 (matmuls then at the data sheet's peak, now at 87% of it).
+another; those not said to be at today's constants were modeled before the step
+model's calibration refits of 2026-12-04 (matmuls then at the data sheet's peak,
+now at 87% of it).
 Today's figures for this config: docs/benchmarks.md.
 """
 
@@ -51,9 +52,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = 'float32'  # master weights (and AdamW moments)
   c.model.scan_layers = True       # one compiled block, not 100
   # Keep every projection's output but q/k/v's: the backward pass repeats only the q/k/v
-  # projections (no MLP), and it fits with one layer per scan iteration (29.54 GiB per chip
-  # for ours, modeled 7.438 s; 'minimal' (7.323 s, 30.96 GiB), or two layers per iteration
-  # (7.470 s, 31.12 GiB), does not fit; docs/paper_scale.md).
+  # projections (no MLP). At today's constants (ours, one layer per scan iteration:
+  # 8.254 s at 28.10 GiB per chip), 'minimal' fits too since the layers' gradients stay
+  # bf16 (29.98 GiB) but is slower, 8.325 s: with nothing to recompute, the backward pass
+  # waits 0.19 s a step for mlp.down's weight gather over fsdp. Two layers per iteration:
+  # 8.266 s (30.51 GiB); with 'minimal', 8.147 s at 31.35 GiB, which does not fit
+  # (docs/paper_scale.md).
   c.model.remat = 'save_dot_except_qkv'
   c.model.scan_unroll = 1
   c.model.attention = 'splash'     # the Pallas splash kernel, as MaxText on TPU

@@ -312,10 +312,11 @@ def test_search_table_judges_each_variant_by_its_own_memory():
 
 
 def test_search_memory_estimate_against_compiled_totals():
-  """The estimate for dense_500b's own layout is within 3% of its compiled total (ours 29.54
-  GiB per chip of 30.75, docs/benchmarks.md), and the same layout with remat `minimal`, which
-  compiled to 31.3 GiB (does not fit), is estimated above the usable HBM. Splash attention
-  holds no [s, s] logits; gradient accumulation scans microbatches."""
+  """The estimate for dense_500b's own layout is within 3% of its compiled total (ours 28.10
+  GiB per chip of 30.75, docs/benchmarks.md), and the same layout with remat `minimal`
+  within 5% of its 29.98 (the estimate runs high there: above the usable HBM, so the search
+  skips a layout that fits, and models slower; launch/search.py). Splash attention holds no
+  [s, s] logits; gradient accumulation scans microbatches."""
   from launch import search  # pylint: disable=import-outside-toplevel
   from trainer import config as config_lib  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'), [])
@@ -325,9 +326,9 @@ def test_search_memory_estimate_against_compiled_totals():
   estimate = lambda layout, model=m, accum=1: search.memory_estimate(
       model, n, layout, cfg.seq_len, accum_steps=accum) / 2 ** 30
   ours = search.Layout(1, 128, 8, 256, 'save_dot_except_qkv')
-  assert estimate(ours) == pytest.approx(29.54, rel=0.03)
+  assert estimate(ours) == pytest.approx(28.10, rel=0.03)
   assert estimate(ours) * 2 ** 30 < profile.usable_hbm_bytes
-  assert estimate(search.Layout(1, 128, 8, 256, 'minimal')) * 2 ** 30 > profile.usable_hbm_bytes
+  assert estimate(search.Layout(1, 128, 8, 256, 'minimal')) == pytest.approx(29.98, rel=0.05)
   logits = 3 * 4 * (160 / 8) * 2048 * 2048 * 2 / 2 ** 30  # 2 sequences per fsdp shard
   plain = dataclasses.replace(m, attention='xla')
   assert estimate(ours, plain) - estimate(ours) == pytest.approx(logits)
