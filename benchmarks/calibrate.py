@@ -242,6 +242,47 @@ def findings(rows: list[Row], worst: float) -> str:
       '(`--config.parallelism.ring_dtype=float32` compiles fp32 ones).')
 
 
+def same_shape_note(rows: list[Row], apart: float = 1.5) -> str:
+  """Rows whose layers have one shape (widths and sequence length), compared per layer and
+  sequence a chip runs: the measured step, our program's matmuls at the fitted rate, and
+  what the measurement leaves for everything else beside what the model charges for it.
+  The matmul rate scales every row's matmuls alike, so where the measurements leave such
+  rows room ``apart`` times or more different for the same layer's other work, no value
+  of it fits them together."""
+  groups = {}
+  for r in rows:
+    cfg = config_lib.load(os.path.join(ROOT, r.config), [])
+    m = cfg.model
+    key = (m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim, cfg.seq_len)
+    groups.setdefault(key, []).append((r, m.num_layers * cfg.batch_size / r.chips))
+  notes = []
+  for group in (g for g in groups.values() if len(g) > 1):
+    ms = lambda seconds, units: f'{1e3 * seconds / units:.1f}'
+    each = lambda f: ' and '.join(f(r, n) for r, n in group)
+    measured = lambda r: r.modeled['step_seconds'] * r.modeled['mfu'] / r.measured_mfu
+    matmul = lambda r: r.modeled['matmul_at_peak_seconds']
+    room = [(measured(r) - matmul(r)) / n for r, n in group]
+    text = (
+        f'{each(lambda r, n: _name(r.config))} run layers of one shape: per layer and '
+        f'sequence a chip runs, MaxText measured {each(lambda r, n: ms(measured(r), n))} ms '
+        f'(from the measured MFU), and our programs\' matmuls at the fitted rate take '
+        f'{each(lambda r, n: ms(matmul(r), n))} ms (program/model FLOPs '
+        f'{each(lambda r, n: f"{r.program_flops_per_chip / r.model_flops_per_chip:.2f}")}). '
+        f'That leaves {each(lambda r, n: ms(measured(r) - matmul(r), n))} ms for everything '
+        'else (memory-bound work and exposed transfers), for which the model charges '
+        f'{each(lambda r, n: ms(r.modeled["step_seconds"] - matmul(r), n))} ms.')
+    if min(room) > 0 and max(room) / min(room) < apart:
+      text += ' The measurements agree on that room.'
+    else:
+      text += (' The measurements leave the same layer very different room, and the matmul '
+               'rate moves every row\'s matmul time by one factor: no value of it fits these '
+               'rows together. The difference lies in what the measured runs did that our '
+               'programs or the model do not (what each recomputed or overlapped, how fast its '
+               'matmuls ran), not in a constant.')
+    notes.append(text)
+  return '**Rows of one layer shape.** ' + ' '.join(notes) if notes else ''
+
+
 def alternative_note(rows: list[Row]) -> str:
   """The rows under ``step_model.ALTERNATIVE``, the other constants that fit them."""
   if not all(r.alternative for r in rows):
@@ -301,7 +342,7 @@ def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None) -> No
            'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the schedule waits for transfers; '
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
-           findings(rows, worst), '', alternative_note(rows), '',
+           findings(rows, worst), '', same_shape_note(rows), '', alternative_note(rows), '',
            fit_note(fitted, chip, worst), '', memory_note(rows), '',
            'Differences between our programs and MaxText\'s that remain are listed in each '
            "config's docstring (configs/calibration/).", '']

@@ -141,3 +141,25 @@ def test_the_fit_is_written_beside_the_constants_set():
   assert ('The constants set are the matmul_efficiency alone fit'
           in calibrate.fit_note(fitted, set_alone, 4.51))
   assert calibrate.fit_note(None, chip, 8.0) == ''
+
+
+def test_rows_of_one_layer_shape_are_compared_per_layer_and_sequence():
+  """256B and 512B share their layers' shape: per layer and sequence a chip runs (64 x 1 and
+  128 x 2), the room each measurement leaves beside the program's matmuls."""
+  def row(name, step, matmul, measured_mfu):
+    return calibrate.Row(f'configs/calibration/maxtext_{name}_v5p.py', 'v5p:8x8x8', 512, 1,
+                         model_flops_per_chip=1.0, measured_mfu=measured_mfu, hlo_path='',
+                         coords=None, memory_gib=1.0, program_flops_per_chip=1.25,
+                         modeled={'step_seconds': step, 'mfu': 0.5,
+                                  'matmul_at_peak_seconds': matmul})
+  small = row('256b', 10.0, 6.4, 0.5)  # measured 10 s: 156.2 ms, room 56.2 ms a unit
+  apart = row('512b', 20.0, 16.0, 0.4)  # measured 25 s over 256 units: room 35.2 ms
+  note = calibrate.same_shape_note([small, apart])
+  assert note.startswith('**Rows of one layer shape.** maxtext_256b_v5p and maxtext_512b_v5p')
+  assert 'MaxText measured 156.2 and 97.7 ms' in note
+  assert 'matmuls at the fitted rate take 100.0 and 62.5 ms' in note
+  assert 'leaves 56.2 and 35.2 ms' in note and 'charges 56.2 and 15.6 ms' in note
+  assert 'no value of it fits these rows together' in note  # rooms 1.6x apart
+  assert calibrate.same_shape_note([small, apart], apart=1.7).endswith(
+      'The measurements agree on that room.')
+  assert calibrate.same_shape_note([small]) == ''
