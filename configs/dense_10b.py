@@ -8,7 +8,7 @@ weights and AdamW state, remat 'minimal' (projection outputs kept). The smallest
 of the paper's model sizes (Wang et al., ASPLOS 2023: 10B to 1T parameters).
 
 The layout is the layout search's best (`python -m launch.aot --config
-configs/dense_10b.py --search`): 67.1% modeled MFU for every variant (`python -m
+configs/dense_10b.py --search`): 67.2% modeled MFU for every variant (`python -m
 benchmarks.report --only aot --configs dense_10b`, docs/benchmarks.md). When the
 search chose it, before the step model's nested-slice fix, it modeled 63.4%,
 against 55.1% for ours at the earlier fsdp=32 x tensor=4 with full remat; those

@@ -140,8 +140,10 @@ class MoeMlp(nnx.Module):
   """Routes tokens to SwiGLU experts and combines their outputs by gate."""
 
   def __init__(self, moe: MoeConfig, d_model: int, num_layers: int, dtype: str,
-               param_dtype: str, ops: Ops, rngs: nnx.Rngs, path: str = 'moe'):
+               param_dtype: str, ops: Ops, rngs: nnx.Rngs, path: str = 'moe',
+               grads_in_param_dtype: bool = False):
     self.moe, self.dtype, self.ops, self.path = moe, dtype, ops, path
+    self.grads_in_param_dtype = grads_in_param_dtype  # models.ops.weight
     d, e, f = d_model, moe.num_experts, moe.mlp_dim
     self.router_de = param(rngs, (d, e), ('embed', None), param_dtype, d)
     self.gate_edf = param(rngs, (e, d, f), ('exp', 'embed', 'mlp'), param_dtype, d)
@@ -152,7 +154,7 @@ class MoeMlp(nnx.Module):
   def __call__(self, x_btd: jax.Array, residual_axes) -> tuple[jax.Array, dict]:
     ops, dt = self.ops, jnp.dtype(self.dtype)
     x_btd = ops.constrain(x_btd, ('batch', 'length', 'embed'))
-    logits = checkpoint_name(jnp.einsum('btd,de->bte', x_btd, weight(self.router_de[...], dt),
+    logits = checkpoint_name(jnp.einsum('btd,de->bte', x_btd, weight(self.router_de[...], dt, self.grads_in_param_dtype),
                                         preferred_element_type=jnp.float32), 'moe_router')
     r = route(logits, self.moe.top_k, self.moe.capacity(x_btd.shape[1]))
     x_becd = ops.constrain(jnp.einsum('btd,btec->becd', x_btd, r.dispatch_btec.astype(dt)),
@@ -172,11 +174,11 @@ class MoeMlp(nnx.Module):
     # The hidden activations split mlp, not capacity, over the axis that splits both
     # elsewhere (the experts' tensor parallelism): capacity gets no name here.
     hid = ('exp', 'batch', None, 'mlp')
-    up = lambda w, name: ops.einsum('ebcd,edf->ebcf', x_ebcd, weight(w[...], dt),
+    up = lambda w, name: ops.einsum('ebcd,edf->ebcf', x_ebcd, weight(w[...], dt, self.grads_in_param_dtype),
                                     x_axes=AT_EXPERTS, w_axes=('exp', 'embed', 'mlp'),
                                     out_axes=hid, name=f'{self.path}.{name}')
     h = jax.nn.silu(up(self.gate_edf, 'gate')) * up(self.up_edf, 'up')
-    return ops.einsum('ebcf,efd->ebcd', h, weight(self.down_efd[...], dt), x_axes=hid,
+    return ops.einsum('ebcf,efd->ebcd', h, weight(self.down_efd[...], dt, self.grads_in_param_dtype), x_axes=hid,
                       w_axes=('exp', 'mlp', 'embed'), out_axes=AT_EXPERTS,
                       name=f'{self.path}.down')
 

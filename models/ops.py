@@ -31,8 +31,7 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, dtype: str, fan_in
                    eager_sharding=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def weight(w: jax.Array, dtype) -> jax.Array:
+def weight(w: jax.Array, dtype, grad_in_param_dtype: bool = False) -> jax.Array:
   """``w`` cast to the compute ``dtype``, its gradient left in that dtype.
 
   The gradient of a cast to bf16 is bf16; a plain ``astype`` converts it back to the
@@ -40,21 +39,28 @@ def weight(w: jax.Array, dtype) -> jax.Array:
   gradients, a weight-sized buffer held through the backward pass. Left in bf16 they
   stack in half the bytes, with the same values (the conversion is exact): the train
   step converts them to the parameters' dtype (``trainer.step``), where the optimizer's
-  update reads them. For weights used once per step (not a tied embedding, whose two
+  update reads them. ``grad_in_param_dtype`` casts plainly (the program MaxText runs:
+  the calibration rows). For weights used once per step (not a tied embedding, whose two
   uses' gradients add).
   """
+  return w.astype(dtype) if grad_in_param_dtype else _cast_keep_grad(w, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cast_keep_grad(w: jax.Array, dtype) -> jax.Array:
   return w.astype(dtype)
 
 
-def _weight_fwd(w, dtype):
+def _cast_fwd(w, dtype):
   return w.astype(dtype), None
 
 
-def _weight_bwd(dtype, _, g):
+def _cast_bwd(dtype, _, g):
+  del dtype
   return (g,)
 
 
-weight.defvjp(_weight_fwd, _weight_bwd)
+_cast_keep_grad.defvjp(_cast_fwd, _cast_bwd)
 
 
 def saved(x: jax.Array, name: str | None,

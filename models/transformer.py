@@ -92,6 +92,11 @@ class TransformerConfig:
   # (TPU; 1.84 GiB per chip at moe_1t). The barrier also keeps the compiler from
   # pipelining a layer's weight gathers into the iteration before.
   cast_in_loop: bool = False
+  # Convert each layer weight's gradient to `param_dtype` inside the layer, as a plain cast
+  # does (and MaxText's programs, which the calibration rows compile): a scanned model then
+  # stacks fp32 gradients. By default they stay in `dtype` until the optimizer
+  # (models.ops.weight; the same values, half the bytes).
+  grads_in_param_dtype: bool = False
   remat: str = 'none'  # one of REMAT_POLICIES
   attention: str = 'xla'      # one of ATTENTION
   attention_block: int = 512  # key positions per block of 'blockwise' and 'splash'
@@ -101,7 +106,7 @@ class TransformerConfig:
 
   # How the step is computed, not which parameters or what result: a run may resume with
   # these changed (another platform's attention kernel, more remat on a smaller mesh).
-  EXECUTION_ONLY = ('scan_unroll', 'cast_in_loop', 'remat', 'attention', 'attention_block',
+  EXECUTION_ONLY = ('scan_unroll', 'cast_in_loop', 'grads_in_param_dtype', 'remat', 'attention', 'attention_block',
                     'splash_interpret', 'fused_projections')
 
   @classmethod
@@ -223,7 +228,7 @@ class Attention(nnx.Module):
     proj = lambda eq, w, w_axes, out_axes, name: ops.einsum(
         eq, x_btd, w, x_axes=RESIDUAL, w_axes=w_axes,
         out_axes=out_axes, name=f'{self.path}.{name}')
-    q, k, v = (weight(w[...], dt) for w in (self.q_dnh, self.k_dkh, self.v_dkh))
+    q, k, v = (weight(w[...], dt, cfg.grads_in_param_dtype) for w in (self.q_dnh, self.k_dkh, self.v_dkh))
     if cfg.fused_projections:  # one einsum; each kv head's group of queries, then k, v
       b, t, n, h, kv = *x_btd.shape[:2], cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
       g = n // kv
@@ -259,7 +264,7 @@ class Attention(nnx.Module):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     out_btnh = ops.constrain(out_btnh, ('batch', 'length', 'heads', 'head_dim'))
     return checkpoint_name(ops.einsum(
-        'btnh,nhd->btd', out_btnh, weight(self.o_nhd[...], dt),
+        'btnh,nhd->btd', out_btnh, weight(self.o_nhd[...], dt, self.cfg.grads_in_param_dtype),
         x_axes=('batch', 'length', 'heads', 'head_dim'),
         w_axes=('heads', 'head_dim', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.o'),
         'out_proj')
@@ -302,7 +307,8 @@ class Mlp(nnx.Module):
   def __call__(self, x_btd):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     hid = ('batch', 'length', 'mlp')
-    gate, up = weight(self.gate_df[...], dt), weight(self.up_df[...], dt)
+    gate, up = (weight(w[...], dt, self.cfg.grads_in_param_dtype)
+                for w in (self.gate_df, self.up_df))
     if self.cfg.fused_projections:  # one einsum over both weights
       both = ops.einsum('btd,sdf->btsf', x_btd, jnp.stack([gate, up]), x_axes=RESIDUAL,
                         w_axes=(None, 'embed', 'mlp'), out_axes=('batch', 'length', None, 'mlp'),
@@ -317,7 +323,7 @@ class Mlp(nnx.Module):
                       ((gate, 'gate'), (up, 'up')))
     h_btf = jax.nn.silu(gated) * upped
     return checkpoint_name(ops.einsum(
-        'btf,fd->btd', h_btf, weight(self.down_fd[...], dt), x_axes=hid,
+        'btf,fd->btd', h_btf, weight(self.down_fd[...], dt, self.cfg.grads_in_param_dtype), x_axes=hid,
         w_axes=('mlp', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.down'), 'mlp_down')
 
 
@@ -332,7 +338,7 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg)
     if moe_layer:
       self.moe = MoeMlp(cfg.moe, cfg.d_model, cfg.num_layers, cfg.dtype, cfg.param_dtype,
-                        ops, rngs, f'{path}.moe')
+                        ops, rngs, f'{path}.moe', cfg.grads_in_param_dtype)
     else:
       self.mlp = Mlp(cfg, ops, rngs, f'{path}.mlp')
 

@@ -155,37 +155,34 @@ def test_weight_decay_applies_to_matrices_only_scanned_or_not(scan):
   assert all(moved[k] for k in moved if k not in scales), moved
 
 
-def test_scanned_weight_gradients_stack_in_the_compute_dtype(monkeypatch):
+def test_scanned_weight_gradients_stack_in_the_compute_dtype():
   """``models.ops.weight``: a scanned bf16 model's layer-weight gradients are stacked in
   bf16, not in the fp32 of the weights (half the bytes of the step's largest gradient
-  buffer), with the values a plain cast gives; the train step updates fp32 weights."""
-  from models import transformer
-  cfg = TransformerConfig(vocab_size=64, d_model=128, num_layers=8, num_heads=4,
-                          num_kv_heads=4, head_dim=32, mlp_dim=512, dtype='bfloat16',
-                          scan_layers=True)
-  graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)))
-  tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
-  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-           'positions': jnp.broadcast_to(jnp.arange(8), (2, 8)),
-           'segments': jnp.zeros((2, 8), jnp.int32)}
-  tx = optax.sgd(1e-2)
-  state = TrainState(jnp.int32(0), params, tx.init(params))
-  is_matrix = lambda path: 'scale' not in jax.tree_util.keystr(path)  # not the norms
-  matrices = lambda t: [x for path, x in jax.tree_util.tree_leaves_with_path(t['blocks'])
-                        if is_matrix(path)]
-  blocks = sum(x.size for x in matrices(params))
-
-  def run():
+  buffer), with the values a plain cast gives (``model.grads_in_param_dtype``, MaxText's
+  program); the train step updates fp32 weights alike."""
+  def run(**kw):
+    cfg = TransformerConfig(vocab_size=64, d_model=128, num_layers=8, num_heads=4,
+                            num_kv_heads=4, head_dim=32, mlp_dim=512, dtype='bfloat16',
+                            scan_layers=True, **kw)
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
+    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+             'positions': jnp.broadcast_to(jnp.arange(8), (2, 8)),
+             'segments': jnp.zeros((2, 8), jnp.int32)}
+    tx = optax.sgd(1e-2)
+    state = TrainState(jnp.int32(0), params, tx.init(params))
     grads = jax.grad(lambda p: nnx.merge(graphdef, p)(batch['inputs']).astype(
         jnp.float32).mean())(params)
     step = jax.jit(make_train_step(graphdef, tx, 0.0, 1))
     temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-    return grads, step(state, batch)[0].params, temp
+    return params, grads, step(state, batch)[0].params, temp
 
-  grads, new, temp = run()
-  monkeypatch.setattr(transformer, 'weight', lambda w, dtype: w.astype(dtype))
-  grads_cast, new_cast, temp_cast = run()
+  is_matrix = lambda path: 'scale' not in jax.tree_util.keystr(path)  # not the norms
+  matrices = lambda t: [x for path, x in jax.tree_util.tree_leaves_with_path(t['blocks'])
+                        if is_matrix(path)]
   dtypes = lambda leaves: {x.dtype.name for x in leaves}
+  params, grads, new, temp = run()
+  _, grads_cast, new_cast, temp_cast = run(grads_in_param_dtype=True)
   assert dtypes(matrices(grads)) == {'bfloat16'}
   assert dtypes(matrices(grads_cast)) == {'float32'}
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_cast)):
@@ -195,4 +192,5 @@ def test_scanned_weight_gradients_stack_in_the_compute_dtype(monkeypatch):
     np.testing.assert_array_equal(a, b)
   # 2 bytes a weight fewer in the stack; the CPU compiler's buffers keep part of that
   # (2.7 of 4.2 MB here), so at least half
+  blocks = sum(x.size for x in matrices(params))
   assert temp_cast - temp >= blocks, (temp_cast, temp, blocks)

@@ -71,6 +71,11 @@ class Model:
                                    'through the forward and backward passes; it also stops '
                                    "the compiler's pipelining of weight gathers across "
                                    'iterations')
+  grads_in_param_dtype: bool = _key(False, "convert each layer weight's gradient to "
+                                           '`param_dtype` inside the layer, as a plain cast '
+                                           "does (MaxText's programs: the calibration rows); "
+                                           'by default they stay in `dtype` until the '
+                                           'optimizer, the same values in half the bytes')
   remat: str = _key('none', 'recompute activations: none | full (keep each block\'s input '
                             'only) | dots (keep projection outputs; `minimal`, MaxText\'s name) | '
                             'save_dot_except_mlp (keep the attention projections\' outputs, '

@@ -2,7 +2,10 @@ r"""What MaxText's measured TPU v5p runs share (MaxText/configs/v5p/*.sh).
 
 Every row: sequence length 2048, vocabulary 32000, head_dim 128, as many
 key/value heads as query heads, SwiGLU, untied embeddings, bf16 compute over
-fp32 weights and AdamW moments, synthetic data, layers scanned, the splash
+fp32 weights and AdamW moments, each layer weight's gradient converted to fp32
+inside the layer as MaxText's casts do (``model.grads_in_param_dtype``; ours keep
+them bf16 until the optimizer, which changes the scanned program: 64B's row is
+modeled 4.5 points higher with them bf16), synthetic data, layers scanned, the splash
 attention kernel (MaxText's ``attention='flash'`` on a TPU is the same Pallas
 kernel, with blocks of 512, its ``sa_block_*`` defaults), MaxText's XLA
 flags (the ``tpu_v5p`` row of parallelism/hardware.py), and XLA's windowed
@@ -38,6 +41,7 @@ def get_config(*, d_model: int, heads: int, mlp: int, layers: int, topology: str
   c.model.dtype = 'bfloat16'
   c.model.param_dtype = 'float32'
   c.model.scan_layers = True
+  c.model.grads_in_param_dtype = True  # MaxText's fp32 gradients, stacked by the scan
   c.model.remat = remat
   c.model.attention = 'splash'
   c.model.attention_block = 512
