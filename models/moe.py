@@ -154,7 +154,8 @@ class MoeMlp(nnx.Module):
   def __call__(self, x_btd: jax.Array, residual_axes) -> tuple[jax.Array, dict]:
     ops, dt = self.ops, jnp.dtype(self.dtype)
     x_btd = ops.constrain(x_btd, ('batch', 'length', 'embed'))
-    logits = checkpoint_name(jnp.einsum('btd,de->bte', x_btd, weight(self.router_de[...], dt, self.grads_in_param_dtype),
+    router = weight(self.router_de[...], dt, self.grads_in_param_dtype)
+    logits = checkpoint_name(jnp.einsum('btd,de->bte', x_btd, router,
                                         preferred_element_type=jnp.float32), 'moe_router')
     r = route(logits, self.moe.top_k, self.moe.capacity(x_btd.shape[1]))
     x_becd = ops.constrain(jnp.einsum('btd,btec->becd', x_btd, r.dispatch_btec.astype(dt)),
@@ -174,11 +175,12 @@ class MoeMlp(nnx.Module):
     # The hidden activations split mlp, not capacity, over the axis that splits both
     # elsewhere (the experts' tensor parallelism): capacity gets no name here.
     hid = ('exp', 'batch', None, 'mlp')
-    up = lambda w, name: ops.einsum('ebcd,edf->ebcf', x_ebcd, weight(w[...], dt, self.grads_in_param_dtype),
+    cast = lambda w: weight(w[...], dt, self.grads_in_param_dtype)
+    up = lambda w, name: ops.einsum('ebcd,edf->ebcf', x_ebcd, cast(w),
                                     x_axes=AT_EXPERTS, w_axes=('exp', 'embed', 'mlp'),
                                     out_axes=hid, name=f'{self.path}.{name}')
     h = jax.nn.silu(up(self.gate_edf, 'gate')) * up(self.up_edf, 'up')
-    return ops.einsum('ebcf,efd->ebcd', h, weight(self.down_efd[...], dt, self.grads_in_param_dtype), x_axes=hid,
+    return ops.einsum('ebcf,efd->ebcd', h, cast(self.down_efd), x_axes=hid,
                       w_axes=('exp', 'mlp', 'embed'), out_axes=AT_EXPERTS,
                       name=f'{self.path}.down')
 

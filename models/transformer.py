@@ -106,8 +106,8 @@ class TransformerConfig:
 
   # How the step is computed, not which parameters or what result: a run may resume with
   # these changed (another platform's attention kernel, more remat on a smaller mesh).
-  EXECUTION_ONLY = ('scan_unroll', 'cast_in_loop', 'grads_in_param_dtype', 'remat', 'attention', 'attention_block',
-                    'splash_interpret', 'fused_projections')
+  EXECUTION_ONLY = ('scan_unroll', 'cast_in_loop', 'grads_in_param_dtype', 'remat',
+                    'attention', 'attention_block', 'splash_interpret', 'fused_projections')
 
   @classmethod
   def from_config(cls, cfg: Any, moe_cfg: Any = None) -> 'TransformerConfig':
@@ -228,7 +228,8 @@ class Attention(nnx.Module):
     proj = lambda eq, w, w_axes, out_axes, name: ops.einsum(
         eq, x_btd, w, x_axes=RESIDUAL, w_axes=w_axes,
         out_axes=out_axes, name=f'{self.path}.{name}')
-    q, k, v = (weight(w[...], dt, cfg.grads_in_param_dtype) for w in (self.q_dnh, self.k_dkh, self.v_dkh))
+    q, k, v = (weight(w[...], dt, cfg.grads_in_param_dtype)
+               for w in (self.q_dnh, self.k_dkh, self.v_dkh))
     if cfg.fused_projections:  # one einsum; each kv head's group of queries, then k, v
       b, t, n, h, kv = *x_btd.shape[:2], cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
       g = n // kv
@@ -264,7 +265,8 @@ class Attention(nnx.Module):
     ops, dt = self.ops, jnp.dtype(self.cfg.dtype)
     out_btnh = ops.constrain(out_btnh, ('batch', 'length', 'heads', 'head_dim'))
     return checkpoint_name(ops.einsum(
-        'btnh,nhd->btd', out_btnh, weight(self.o_nhd[...], dt, self.cfg.grads_in_param_dtype),
+        'btnh,nhd->btd', out_btnh,
+        weight(self.o_nhd[...], dt, self.cfg.grads_in_param_dtype),
         x_axes=('batch', 'length', 'heads', 'head_dim'),
         w_axes=('heads', 'head_dim', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.o'),
         'out_proj')
@@ -322,8 +324,9 @@ class Mlp(nnx.Module):
       gated, upped = (checkpoint_name(proj(w, n), f'mlp_{n}') for w, n in
                       ((gate, 'gate'), (up, 'up')))
     h_btf = jax.nn.silu(gated) * upped
+    down = weight(self.down_fd[...], dt, self.cfg.grads_in_param_dtype)
     return checkpoint_name(ops.einsum(
-        'btf,fd->btd', h_btf, weight(self.down_fd[...], dt, self.cfg.grads_in_param_dtype), x_axes=hid,
+        'btf,fd->btd', h_btf, down, x_axes=hid,
         w_axes=('mlp', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.down'), 'mlp_down')
 
 
