@@ -140,9 +140,10 @@ def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int,
   shards = layout.fsdp * t
   embeddings = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
   # fp32 weights and second moment, the first moment, and the gradient: the layers' in
-  # the compute dtype until the optimizer reads it (models.ops.weight), the embeddings'
-  # in fp32
-  grads = jnp.dtype(m.dtype).itemsize * (params - embeddings) + 4 * embeddings
+  # the compute dtype until the optimizer reads it (models.ops.weight; fp32 with
+  # model.grads_in_param_dtype), the embeddings' in fp32
+  layer_grad = 4 if m.grads_in_param_dtype else jnp.dtype(m.dtype).itemsize
+  grads = layer_grad * (params - embeddings) + 4 * embeddings
   state = ((8 + mu_bytes + (4 if accum_steps > 1 else 0)) * params + grads) / shards
   # Per microbatch: the step scans ``accum_steps`` of them (trainer/step.py).
   seqs = layout.batch_size / (layout.data * layout.fsdp) / accum_steps

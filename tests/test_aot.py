@@ -329,6 +329,10 @@ def test_search_memory_estimate_against_compiled_totals():
   assert estimate(ours) == pytest.approx(28.10, rel=0.03)
   assert estimate(ours) * 2 ** 30 < profile.usable_hbm_bytes
   assert estimate(search.Layout(1, 128, 8, 256, 'minimal')) == pytest.approx(29.98, rel=0.05)
+  fp32_grads = dataclasses.replace(m, grads_in_param_dtype=True)  # 2 bytes a layer weight more
+  embeddings = 2 * m.vocab_size * m.d_model
+  assert estimate(ours, fp32_grads) - estimate(ours) == pytest.approx(
+      2 * (n - embeddings) / 1024 / 2 ** 30)
   logits = 3 * 4 * (160 / 8) * 2048 * 2048 * 2 / 2 ** 30  # 2 sequences per fsdp shard
   plain = dataclasses.replace(m, attention='xla')
   assert estimate(ours, plain) - estimate(ours) == pytest.approx(logits)
