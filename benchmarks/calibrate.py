@@ -257,20 +257,25 @@ def same_shape_note(rows: list[Row], apart: float = 1.5) -> str:
     groups.setdefault(key, []).append((r, m.num_layers * cfg.batch_size / r.chips))
   notes = []
   for group in (g for g in groups.values() if len(g) > 1):
-    ms = lambda seconds, units: f'{1e3 * seconds / units:.1f}'
-    each = lambda f: ' and '.join(f(r, n) for r, n in group)
-    measured = lambda r: r.modeled['step_seconds'] * r.modeled['mfu'] / r.measured_mfu
-    matmul = lambda r: r.modeled['matmul_at_peak_seconds']
-    room = [(measured(r) - matmul(r)) / n for r, n in group]
+    # per layer and sequence, in ms: measured step, matmuls, what the model charges besides
+    per_unit = []
+    for r, n in group:
+      measured = r.modeled['step_seconds'] * r.modeled['mfu'] / r.measured_mfu
+      matmul = r.modeled['matmul_at_peak_seconds']
+      per_unit.append((1e3 * measured / n, 1e3 * matmul / n,
+                       1e3 * (r.modeled['step_seconds'] - matmul) / n))
+    room = [measured - matmul for measured, matmul, _ in per_unit]
+    each = lambda values, digits=1: ' and '.join(f'{v:.{digits}f}' for v in values)
+    flops = [r.program_flops_per_chip / r.model_flops_per_chip for r, _ in group]
     text = (
-        f'{each(lambda r, n: _name(r.config))} run layers of one shape: per layer and '
-        f'sequence a chip runs, MaxText measured {each(lambda r, n: ms(measured(r), n))} ms '
+        f'{" and ".join(_name(r.config) for r, _ in group)} run layers of one shape: per '
+        f'layer and sequence a chip runs, MaxText measured {each(u[0] for u in per_unit)} ms '
         f'(from the measured MFU), and our programs\' matmuls at the fitted rate take '
-        f'{each(lambda r, n: ms(matmul(r), n))} ms (program/model FLOPs '
-        f'{each(lambda r, n: f"{r.program_flops_per_chip / r.model_flops_per_chip:.2f}")}). '
-        f'That leaves {each(lambda r, n: ms(measured(r) - matmul(r), n))} ms for everything '
+        f'{each(u[1] for u in per_unit)} ms (program/model FLOPs '
+        f'{each(flops, 2)}). '
+        f'That leaves {each(room)} ms for everything '
         'else (memory-bound work and exposed transfers), for which the model charges '
-        f'{each(lambda r, n: ms(r.modeled["step_seconds"] - matmul(r), n))} ms.')
+        f'{each(u[2] for u in per_unit)} ms.')
     if min(room) > 0 and max(room) / min(room) < apart:
       text += ' The measurements agree on that room.'
     else:

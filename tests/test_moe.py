@@ -355,19 +355,17 @@ def test_expert_weight_gradients_stay_in_the_compute_dtype(in_param_dtype):
   """``models.ops.weight`` in the experts and router: bf16 gradients for fp32 weights,
   the same values as a plain cast's (``grads_in_param_dtype``)."""
   moe = MoeConfig(num_experts=4, top_k=2, mlp_dim=32, overlap_chunks=1)
-  layer = MoeMlp(moe, D, 2, 'bfloat16', 'float32', Ops(), nnx.Rngs(0),
-                 grads_in_param_dtype=in_param_dtype)
-  graphdef, params = nnx.split(layer)
-  loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(_x().astype(jnp.bfloat16), RESIDUAL)[0]
-                           .astype(jnp.float32))
-  grads = jax.grad(loss)(params)
-  assert {g.dtype.name for g in jax.tree.leaves(grads)} == {
+
+  def grads(in_param_dtype):
+    layer = MoeMlp(moe, D, 2, 'bfloat16', 'float32', Ops(), nnx.Rngs(0),
+                   grads_in_param_dtype=in_param_dtype)
+    graphdef, params = nnx.split(layer)
+    return jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(
+        _x().astype(jnp.bfloat16), RESIDUAL)[0].astype(jnp.float32)))(params)
+
+  got = grads(in_param_dtype)
+  assert {g.dtype.name for g in jax.tree.leaves(got)} == {
       'float32' if in_param_dtype else 'bfloat16'}
   if not in_param_dtype:
-    plain = MoeMlp(moe, D, 2, 'bfloat16', 'float32', Ops(), nnx.Rngs(0),
-                   grads_in_param_dtype=True)
-    plain_graphdef, _ = nnx.split(plain)
-    reference = jax.grad(lambda p: jnp.sum(nnx.merge(plain_graphdef, p)(
-        _x().astype(jnp.bfloat16), RESIDUAL)[0].astype(jnp.float32)))(params)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grads(True))):
       np.testing.assert_array_equal(np.asarray(a, np.float32), b)
