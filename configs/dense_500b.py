@@ -80,8 +80,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.collective_matmul = 'auto'
   # One ring step per loop iteration. At today's constants two run 0.185 s less compute
   # (the loop's block copies and some additions go) but the attention's backward rings
-  # wait more: 8.299 s against 8.254 s; the rings over tensor alone with no loop, 8.334 s
-  # (docs/paper_scale.md).
+  # wait more: 8.299 s against 8.254 s (docs/paper_scale.md).
   c.parallelism.unroll = 1
 
   c.hardware.name = 'tpu_v4'

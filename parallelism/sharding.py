@@ -10,6 +10,7 @@ names without a rule are replicated.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import types
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, TypeVar
@@ -129,13 +130,15 @@ class MatmulPolicy:
   ring_dtype: str = 'compute'           # rings' partial sums (wire, between steps): compute | float32
   gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
   gradient_rings: str = 'ringed_forward'  # ringed_forward | any_forward (GRADIENT_RINGS)
+  plain_layers: tuple[str, ...] = ()    # layer path patterns that stay plain (fnmatch)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
+    plain = tuple(s.strip() for s in p.plain_layers.split(','))
     return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
-               p.gradient_accumulators, p.gradient_rings)
+               p.gradient_accumulators, p.gradient_rings, plain if any(plain) else ())
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
@@ -147,15 +150,27 @@ class MatmulPolicy:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
     if unroll_problem(self.unroll):
       raise ValueError(f'parallelism.{unroll_problem(self.unroll)}')
+    if not all(self.plain_layers):
+      raise ValueError(f'parallelism.plain_layers={",".join(self.plain_layers)!r} has an '
+                       'empty pattern')
 
-  def choose(self, decide: Callable[[str], T], *, never: str, always: str) -> T:
-    """Applies ``collective_matmul`` to one layer: ``decide(mode)`` for the mode it names.
+  def plain_pattern(self, name: str) -> str | None:
+    """The first ``plain_layers`` pattern layer ``name`` matches, or None."""
+    return next((p for p in self.plain_layers if fnmatch.fnmatchcase(name, p)), None)
+
+  def choose(self, decide: Callable[[str], T], *, never: str, always: str,
+             name: str = '') -> T:
+    """Applies ``collective_matmul`` to layer ``name``: ``decide(mode)`` for the mode it names.
 
     ``never`` and ``always`` are the layer kind's modes for those settings;
     ``auto`` lets the cost model pick. Under ``always`` a layer that cannot run
     that mode (``decide`` raises ValueError) gets ``auto``'s decision, whose
-    reason says why it stays plain.
+    reason says why it stays plain. A layer ``plain_layers`` names runs as under
+    ``never`` whatever the setting, with a reason naming the pattern.
     """
+    pattern = self.plain_pattern(name)
+    if pattern is not None:
+      return dataclasses.replace(decide(never), reason=f'parallelism.plain_layers: {pattern!r}')
     if self.collective_matmul == 'never':
       return decide(never)
     if self.collective_matmul == 'always':
@@ -214,7 +229,7 @@ class ShardedOps(Ops):
             hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype,
             gradient_accumulators=self.policy.gradient_accumulators,
             gradient_rings=self.policy.gradient_rings),
-        never='none', always=self.policy.direction))
+        never='none', always=self.policy.direction, name=name))
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       out = run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
                          rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
@@ -242,7 +257,7 @@ class ShardedOps(Ops):
         lambda mode: moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis,
                                 chunks, mode, self.policy.hardware, dispatched,
                                 weight_bytes / split),
-        never='single', always='chunked'))
+        never='single', always='chunked', name=name))
     with jax.named_scope(name):
       return moe.run(decision, x_becd, expert_fn, self.mesh, dispatched, at_experts)
 
@@ -300,7 +315,12 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
   """
   planner = _Planner(mesh, rules, policy, plan={})
   jax.eval_shape(lambda: forward(planner))
-  return dict(planner._plan)  # pylint: disable=protected-access
+  plan = dict(planner._plan)  # pylint: disable=protected-access
+  unused = [p for p in policy.plain_layers if not any(fnmatch.fnmatchcase(n, p) for n in plan)]
+  if unused:
+    raise ValueError(f'parallelism.plain_layers: {unused[0]!r} matches no layer (the layers: '
+                     f'{", ".join(plan)})')
+  return plan
 
 
 def planned_ops(make_model: Callable[[Ops], Any], batch_shape: tuple[int, int], *,

@@ -82,6 +82,25 @@ def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, 
   assert {f'blocks.*.{n}' for n in ('attn.q', 'attn.o', 'mlp.gate', 'mlp.down')} <= rings, rows
 
 
+
+def test_plain_layers_stay_plain_under_always(tmp_path):
+  # parallelism.plain_layers names layers by the report's paths ('*' matches any part):
+  # those run as under 'never', with a reason naming the pattern; the others as before.
+  run = _run(tmp_path / 'ok', '--config.parallelism.collective_matmul=always',
+             '--config.parallelism.plain_layers=blocks.*.attn.o, unembed')
+  plan = run.model.ops.plan
+  plain = {p: d.reason for p, (d, _) in plan.items() if d.mode == 'none'}
+  assert plain == {'blocks.0.attn.o': "parallelism.plain_layers: 'blocks.*.attn.o'",
+                   'blocks.1.attn.o': "parallelism.plain_layers: 'blocks.*.attn.o'",
+                   'unembed': "parallelism.plain_layers: 'unembed'"}, plain
+  assert {'blocks.0.mlp.down', 'blocks.1.attn.q'} <= {
+      p for p, (d, _) in plan.items() if d.mode == 'unidirectional'}
+  with pytest.raises(ValueError, match=r"plain_layers: 'blocks\.\*\.attn\.x' matches no "
+                                       r'layer \(the layers: blocks\.0\.attn\.q, '):
+    _run(tmp_path / 'bad', '--config.parallelism.plain_layers=blocks.*.attn.x')
+  with pytest.raises(ValueError, match="plain_layers='unembed,' has an empty pattern"):
+    _run(tmp_path / 'empty', '--config.parallelism.plain_layers=unembed,')
+
 @pytest.fixture(scope='module')
 def setups(tmp_path_factory):
   out = {}

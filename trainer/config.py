@@ -208,6 +208,10 @@ class Parallelism:
                                                "gradient beside the compiler's forward, "
                                                "where the compiler's reduce-scatter would "
                                                'block)')
+  plain_layers: str = _key('', 'layers that run as plain einsums (or a single expert '
+                               'all-to-all) whatever collective_matmul says: comma-separated '
+                               'paths as the parallelism report names them, * matching any '
+                               "part (e.g. 'blocks.*.attn.o,unembed'); each must match a layer")
 
 
 @dataclasses.dataclass(frozen=True)
