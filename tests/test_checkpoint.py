@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.conftest import ROOT
 from tests.test_cli import DEFAULT, TINY
@@ -86,7 +87,7 @@ def test_init_from_loads_params_only_onto_another_mesh(tmp_path):
       '--config.mesh.fsdp=4', '--config.mesh.tensor=2']))
   s = loop.setup(run)
   assert s.start_step == 0 and int(s.state.step) == 0
-  loaded = s.state.params.to_pure_dict()
+  loaded = nnx.to_pure_dict(s.state.params)
   for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(a, np.asarray(b))  # same values, other sharding
   q = checkpoint.flatten(s.state.params)['blocks.0.attn.q_dnh']

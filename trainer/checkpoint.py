@@ -507,7 +507,7 @@ def write_params(directory: str, params, model_config: dict, *, source: str = ''
   """Writes parameters alone as a checkpoint (step 0) that ``init_from`` loads.
 
   ``params`` is a nested dict of arrays shaped like
-  ``nnx.state(Transformer(...)).to_pure_dict()``; returns the step directory.
+  ``nnx.to_pure_dict(nnx.state(Transformer(...)))``; returns the step directory.
   """
   flat = {k: jnp.asarray(v) for k, v in flatten(params).items()}
   meta = {'format': FORMAT, 'step': 0, 'model': model_config, 'source': source,
