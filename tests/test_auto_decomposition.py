@@ -82,7 +82,6 @@ def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, 
   assert {f'blocks.*.{n}' for n in ('attn.q', 'attn.o', 'mlp.gate', 'mlp.down')} <= rings, rows
 
 
-
 def test_plain_layers_stay_plain_under_always(tmp_path):
   # parallelism.plain_layers names layers by the report's paths ('*' matches any part):
   # those run as under 'never', with a reason naming the pattern; the others as before.
@@ -100,6 +99,7 @@ def test_plain_layers_stay_plain_under_always(tmp_path):
     _run(tmp_path / 'bad', '--config.parallelism.plain_layers=blocks.*.attn.x')
   with pytest.raises(ValueError, match="plain_layers='unembed,' has an empty pattern"):
     _run(tmp_path / 'empty', '--config.parallelism.plain_layers=unembed,')
+
 
 @pytest.fixture(scope='module')
 def setups(tmp_path_factory):
