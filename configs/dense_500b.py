@@ -51,15 +51,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = 'bfloat16'       # compute
   c.model.param_dtype = 'float32'  # master weights (and AdamW moments)
   c.model.scan_layers = True       # one compiled block, not 100
-  # Keep every projection's output but q/k/v's: the backward pass repeats only the q/k/v
-  # projections (no MLP). At today's constants (ours, one layer per scan iteration:
-  # 8.254 s at 28.10 GiB per chip), 'minimal' fits too since the layers' gradients stay
-  # bf16 (29.98 GiB) but is slower, 8.325 s: with nothing to recompute, the backward pass
-  # waits 0.19 s a step for mlp.down's weight gather over fsdp. Two layers per iteration:
-  # 8.266 s (30.51 GiB); with 'minimal', 8.147 s at 31.35 GiB, which does not fit
-  # (docs/paper_scale.md).
-  c.model.remat = 'save_dot_except_qkv'
-  c.model.scan_unroll = 1
+  # Every projection's output kept ('minimal': the backward pass recomputes no projection),
+  # two layers per scan iteration (the second layer's weight gathers overlap the first's
+  # backward; with one, the backward waits 0.19 s a step for mlp.down's gather over fsdp)
+  # and each layer's weights cast inside the scan (no bf16 copy of all layers' weights).
+  # Fits with the weight-gradient rings of parallelism.gradient_accumulators='sharded'
+  # (below): 30.74 GiB per chip of 30.75 (modeled, ours 8.017 s, baseline 9.016 s). The
+  # layout before, remat 'save_dot_except_qkv' with one layer per iteration and the
+  # compiler's casts: ours 8.254 s, baseline 9.446 s, slower for every variant
+  # (docs/paper_scale.md). The layout search's memory estimate prunes this one
+  # (launch/search.py).
+  c.model.remat = 'minimal'
+  c.model.scan_unroll = 2
+  c.model.cast_in_loop = True
   c.model.attention = 'splash'     # the Pallas splash kernel, as MaxText on TPU
   c.model.fused_projections = True  # one einsum (and one ring) for q/k/v, one for gate/up
 
@@ -78,9 +82,13 @@ def get_config() -> ml_collections.ConfigDict:
 
   # 'auto': the cost model (tpu_v4 profile) decides per layer.
   c.parallelism.collective_matmul = 'auto'
-  # One ring step per loop iteration. At today's constants two run 0.185 s less compute
+  # Every weight gradient rings over fsdp: none accumulates whole over fsdp before the
+  # compiler's reduce-scatter (the attention's did, under 'any': 31.09 GiB per chip here,
+  # which does not fit; docs/paper_scale.md).
+  c.parallelism.gradient_accumulators = 'sharded'
+  # One ring step per loop iteration. At the layout before, two ran 0.185 s less compute
   # (the loop's block copies and some additions go) but the attention's backward rings
-  # wait more: 8.299 s against 8.254 s (docs/paper_scale.md).
+  # waited more: 8.299 s against 8.254 s (docs/paper_scale.md).
   c.parallelism.unroll = 1
 
   c.hardware.name = 'tpu_v4'
