@@ -3,9 +3,10 @@ r"""A ~500B-parameter dense decoder (Llama-style) on 1024 TPU v4 chips.
 496.3B parameters: 100 scanned blocks, d_model 20480, 160 query heads of 128
 over 16 key/value heads, SwiGLU 65536, vocabulary 32768, untied embeddings.
 Mesh fsdp=128 x tensor=8 on a v4:8x8x16 slice, global batch 256 x 2048
-tokens, bf16 compute over fp32 master weights and AdamW state, remat
-save_dot_except_qkv (every projection's output kept but q/k/v's, which the
-backward pass recomputes), one layer per scan iteration, splash attention,
+tokens, bf16 compute over fp32 master weights and AdamW state, remat minimal
+(every projection's output kept), two layers per scan iteration with each
+layer's weights cast inside the scan, every weight gradient ringed over fsdp
+(``parallelism.gradient_accumulators='sharded'``), splash attention,
 fused q/k/v and gate/up projections, XLA's collective pipelining over ICI on top of
 the chip's flags (``hardware.xla_flags``).
 The paper (Wang et al., ASPLOS 2023) reports 72% of peak FLOPS for a 500B

@@ -49,7 +49,9 @@ before the reduce-scatter in bf16 and fp32. Against compiled totals on v4 (GiB p
 estimate / compiled): 500B fsdp=128 x tensor=8 at 256 sequences, ``save_dot_except_qkv``
 28.9 / 28.10, ``minimal`` 31.3 / 29.98 (ours). That ``minimal`` estimate is above the
 usable 30.75, so the search skips a layout that fits (it models slower: 8.325 s a step
-against 8.254 s). Before the layers' gradients stayed bf16 (2 bytes a layer parameter
+against 8.254 s). The search does not sweep what ``configs/dense_500b.py`` now adds to
+that ``minimal`` layout by hand (two layers a scan iteration, the casts in the scan,
+``parallelism.gradient_accumulators='sharded'``: 30.74 compiled, 8.017 s). Before the layers' gradients stayed bf16 (2 bytes a layer parameter
 less, estimated and compiled): 500B 29.8 / 29.54 and 32.2 / 31.3; 64B data=8 x fsdp=64 at
 1,024 sequences, ``full``, 29.6 / 32.58 (25.8, 28.1 and 26.7 when the estimate charged the
 whole attention logits whatever the kernel and had neither of the last two terms). That

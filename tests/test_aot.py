@@ -312,8 +312,9 @@ def test_search_table_judges_each_variant_by_its_own_memory():
 
 
 def test_search_memory_estimate_against_compiled_totals():
-  """The estimate for dense_500b's own layout is within 3% of its compiled total (ours 28.10
-  GiB per chip of 30.75, docs/benchmarks.md), and the same layout with remat `minimal`
+  """The estimate for dense_500b's search layout (remat `save_dot_except_qkv`, its config's
+  until two layers an iteration fitted) is within 3% of its compiled total (ours 28.10 GiB
+  per chip of 30.75, docs/paper_scale.md), and the same layout with remat `minimal`
   within 5% of its 29.98 (the estimate runs high there: above the usable HBM, so the search
   skips a layout that fits, and models slower; launch/search.py). Splash attention holds no
   [s, s] logits; gradient accumulation scans microbatches."""
