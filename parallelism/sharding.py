@@ -136,9 +136,9 @@ class MatmulPolicy:
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
-    plain = tuple(s.strip() for s in p.plain_layers.split(','))
+    plain = tuple(s.strip() for s in p.plain_layers.split(',')) if p.plain_layers else ()
     return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
-               p.gradient_accumulators, p.gradient_rings, plain if any(plain) else ())
+               p.gradient_accumulators, p.gradient_rings, plain)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
@@ -158,8 +158,7 @@ class MatmulPolicy:
     """The first ``plain_layers`` pattern layer ``name`` matches, or None."""
     return next((p for p in self.plain_layers if fnmatch.fnmatchcase(name, p)), None)
 
-  def choose(self, decide: Callable[[str], T], *, never: str, always: str,
-             name: str = '') -> T:
+  def choose(self, decide: Callable[[str], T], *, never: str, always: str, name: str) -> T:
     """Applies ``collective_matmul`` to layer ``name``: ``decide(mode)`` for the mode it names.
 
     ``never`` and ``always`` are the layer kind's modes for those settings;
