@@ -38,6 +38,11 @@ parallelism/hardware.py), as a user would train:
 * ``maxtext`` (not run by default): ``xla`` with the default threshold only,
   what MaxText runs; ``benchmarks.calibrate`` compiles it.
 
+``--search`` sweeps layouts for the slice (mesh sizes, tokens per chip, remat) and
+``--refine`` the program settings the search does not, at the config's layout
+(``model.scan_unroll``, ``model.cast_in_loop``, ``parallelism.gradient_accumulators``):
+each prints one table and the best per variant (launch/search.py).
+
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
 before anything compiles; a failed compile with status 1.
@@ -133,6 +138,11 @@ def parse_args(argv):
   parser.add_argument('--search', action='store_true',
                       help='sweep layouts (mesh, tokens per chip, remat) for the slice: '
                            'prune by estimated memory, compile the best (launch/search.py)')
+  parser.add_argument('--refine', action='store_true',
+                      help="compile the config's layout under each combination of the "
+                           'program settings --search does not sweep (model.scan_unroll, '
+                           'model.cast_in_loop, parallelism.gradient_accumulators) and name '
+                           'the best per variant (launch/search.py)')
   parser.add_argument('--max_compiles', type=int, default=6,
                       help='with --search: layouts to compile (default 6; 0: rank them only)')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
@@ -537,6 +547,10 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  if args.search and args.refine:
+    print('error: --search and --refine: give one (refine the layout the search picks by '
+          'passing it as overrides)', file=sys.stderr)
+    return 2
   if args.search and args.max_compiles < 0:
     print(f'error: --max_compiles {args.max_compiles} is negative', file=sys.stderr)
     return 2
@@ -550,12 +564,14 @@ def main(argv=None) -> int:
     except ConfigError as e:
       print(f'error: {e}', file=sys.stderr)
       return 2
-  if args.search:
-    def compile_layout(extra):
+  if args.search or args.refine:
+    def compile_layout(extra, only=variants):
       cfg_l, _, _, _, _, info_l = load(args, overrides + extra)
-      results = compile_variants(args, overrides + extra, cfg_l, topology, chip, variants)
+      results = compile_variants(args, overrides + extra, cfg_l, topology, chip, only)
       return None if isinstance(results, int) else summarize(
           cfg_l, args.config, topology, chip, chips, info_l, results)
+    if args.refine:
+      return search.refine(cfg, variants, compile_layout)
     return search.run(args, overrides, cfg, topology, chip, topology_axes(topology)[1],
                       variants, compile_layout)
   results = compile_variants(args, overrides, cfg, topology, chip, variants)

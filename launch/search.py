@@ -20,7 +20,9 @@ defaults, 18 compiles, took about 15 minutes on a 2-core machine). Prints
 progress, then one table (layout, estimated and compiled GiB per chip, fit,
 modeled MFU of each variant; each variant's own memory where the variants' differ) and
 the best layout per variant among those where that variant's program fits. Everything but
-the compiler's memory figures is modeled.
+the compiler's memory figures is modeled. ``--refine`` compiles the config's own layout
+under each combination of the program settings the grid leaves alone (``knob_grid``) and
+prints the same table.
 ``--max_compiles 0`` compiles nothing (and needs no libtpu): it prints every
 surviving layout in rank order with its estimates, to choose how many to compile.
 
@@ -49,9 +51,11 @@ before the reduce-scatter in bf16 and fp32. Against compiled totals on v4 (GiB p
 estimate / compiled): 500B fsdp=128 x tensor=8 at 256 sequences, ``save_dot_except_qkv``
 28.9 / 28.10, ``minimal`` 31.3 / 29.98 (ours). That ``minimal`` estimate is above the
 usable 30.75, so the search skips a layout that fits (it models slower: 8.325 s a step
-against 8.254 s). The search does not sweep what ``configs/dense_500b.py`` now adds to
-that ``minimal`` layout by hand (two layers a scan iteration, the casts in the scan,
-``parallelism.gradient_accumulators='sharded'``: 30.74 compiled, 8.017 s). Before the layers' gradients stayed bf16 (2 bytes a layer parameter
+against 8.254 s). The grid does not sweep what ``configs/dense_500b.py`` adds to that
+``minimal`` layout (two layers a scan iteration, the casts in the scan,
+``parallelism.gradient_accumulators='sharded'``: 30.74 compiled, 8.017 s); ``--refine``
+(``refine``) compiles a layout under every combination of those settings and finds them
+best for every variant there. Before the layers' gradients stayed bf16 (2 bytes a layer parameter
 less, estimated and compiled): 500B 29.8 / 29.54 and 32.2 / 31.3; 64B data=8 x fsdp=64 at
 1,024 sequences, ``full``, 29.6 / 32.58 (25.8, 28.1 and 26.7 when the estimate charged the
 whole attention logits whatever the kernel and had neither of the last two terms). That
@@ -100,6 +104,35 @@ class Layout:
 
 
 REMATS = ('full', 'save_dot_except_mlp', 'save_dot_except_qkv', 'minimal')
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+  """Program settings ``--refine`` sweeps at one layout (the grid above does not)."""
+  scan_unroll: int
+  cast_in_loop: bool
+  gradient_accumulators: str
+
+  @property
+  def overrides(self) -> list[str]:
+    return [f'--config.model.scan_unroll={self.scan_unroll}',
+            f'--config.model.cast_in_loop={self.cast_in_loop}',
+            f'--config.parallelism.gradient_accumulators={self.gradient_accumulators}']
+
+  def __str__(self) -> str:
+    return (f'scan_unroll={self.scan_unroll} cast_in_loop={self.cast_in_loop} '
+            f'gradient_accumulators={self.gradient_accumulators}')
+
+
+def knob_grid(cfg, variants) -> list[Knobs]:
+  """Every combination ``--refine`` tries: one or two layers per scan iteration (with
+  ``model.scan_layers``), the weights' casts outside or inside the scan, and,
+  where ``ours`` is compiled, both weight-gradient accumulator settings (the baseline's
+  and xla's programs have no rings: the setting leaves them unchanged)."""
+  unrolls = [1, 2] if cfg.model.scan_layers else [1]
+  accumulators = (['any', 'sharded'] if 'ours' in variants
+                  else [cfg.parallelism.gradient_accumulators])
+  return [Knobs(*k) for k in itertools.product(unrolls, (False, True), accumulators)]
 
 
 def grid(cfg, chips: int) -> list[Layout]:
@@ -285,6 +318,38 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   return 0
 
 
+def refine(cfg, variants, compile_layout) -> int:
+  """``--refine``: compiles the config's layout under every ``knob_grid`` combination
+  (each valid one; a combination the model refuses is skipped with its reason) and prints
+  the table, the best combination per variant among those where its program fits."""
+  progress = lambda msg: print(msg, file=sys.stderr, flush=True)
+  grid_ = knob_grid(cfg, variants)
+  chosen = []
+  for knobs in grid_:
+    try:
+      cfg.replace({'model.scan_unroll': knobs.scan_unroll,
+                   'model.cast_in_loop': knobs.cast_in_loop,
+                   'parallelism.gradient_accumulators': knobs.gradient_accumulators}
+                  ).validate()
+      chosen.append(knobs)
+    except ValueError as e:
+      progress(f'  skip {knobs}: {str(e).splitlines()[0]}')
+  progress(f'refine at the config\'s layout: {len(chosen)} of {len(grid_)} settings, '
+           f'{len(variants)} variant(s) each')
+  rows, compiles, start = [], 0, time.perf_counter()
+  for i, knobs in enumerate(chosen):
+    # The accumulators change only ours' program: the others are compiled at the first.
+    only = (variants if knobs.gradient_accumulators == grid_[0].gradient_accumulators
+            else ['ours'])
+    progress(f'[{i + 1}/{len(chosen)}] {knobs} ({", ".join(only)})')
+    rows.append((knobs, None, None, compile_layout(knobs.overrides, only)))
+    compiles += len(only)
+  progress(f'compiled {len(chosen)} setting(s), {compiles} program(s), in '
+           f'{time.perf_counter() - start:.0f} s')
+  print(table(rows, variants, what='setting'))
+  return 0
+
+
 def aligned(rows) -> list[str]:
   """Rows of strings as left-aligned columns two spaces apart."""
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -301,31 +366,36 @@ def ranking(kept) -> str:
   return '\n'.join(out)
 
 
-def table(rows, variants) -> str:
-  """The compiled layouts: each variant's memory (one GiB figure, or one per variant in
-  column order where they differ), fit and modeled MFU; the best layout per variant among
-  those where that variant's own program fits."""
-  head = ['layout', 'est GiB', 'GiB/chip', 'fit'] + [f'{v} MFU' for v in variants]
+def table(rows, variants, what: str = 'layout') -> str:
+  """The compiled layouts (or ``--refine``'s settings, ``what``): each variant's memory (one
+  GiB figure, or one per variant in column order where they differ), fit and modeled MFU;
+  the best per variant among those where that variant's own program fits."""
+  head = [what, 'est GiB', 'GiB/chip', 'fit'] + [f'{v} MFU' for v in variants]
+  est = lambda e: '-' if e is None else f'{e / 2**30:.1f}'
   lines, best, differ = [], {}, False
   for layout, estimate, _, s in rows:
     if s is None:
-      lines.append([str(layout), f'{estimate / 2**30:.1f}', '-', 'compile failed'] +
+      lines.append([str(layout), est(estimate), '-', 'compile failed'] +
                    ['-'] * len(variants))
       continue
-    mems = {v: (s['variants'].get(v) or {}).get('memory') or {} for v in variants}
-    fits = {v: mems[v].get('fit') == 'FITS' for v in variants}
+    done = [v for v in variants if v in s['variants']]  # --refine compiles some once
+    mems = {v: s['variants'][v].get('memory') or {} for v in done}
+    fits = {v: mems[v].get('fit') == 'FITS' for v in done}
     gib = [f"{m['total'] / 2**30:.1f}" if 'total' in m else '-' for m in mems.values()]
     differ |= len(set(gib)) > 1
-    unfit = [v for v in variants if not fits[v]]
-    cells = [str(layout), f'{estimate / 2**30:.1f}', ' / '.join(gib) if len(set(gib)) > 1
-             else gib[0], 'FITS' if not unfit else 'DOES NOT FIT' if len(unfit) == len(variants)
+    unfit = [v for v in done if not fits[v]]
+    cells = [str(layout), est(estimate), ' / '.join(gib) if len(set(gib)) > 1
+             else gib[0], 'FITS' if not unfit else 'DOES NOT FIT' if len(unfit) == len(done)
              else 'DOES NOT FIT: ' + ', '.join(unfit)]
     for v in variants:
       mfu = s['modeled'].get(v, {}).get('mfu')
-      cells.append((f'{mfu:.1%}' + ('' if fits[v] else ' (does not fit)')) if mfu else '-')
+      cells.append((f'{mfu:.1%}' + ('' if fits[v] else ' (does not fit)')) if mfu else
+                   '-' if v in done else 'not compiled')
       if mfu and fits[v] and mfu > best.get(v, (0, None))[0]:
         best[v] = (mfu, layout)
     lines.append(cells)
+  if all(r[1] is None for r in rows):  # nothing estimated (--refine): no estimate column
+    head, lines = head[:1] + head[2:], [line[:1] + line[2:] for line in lines]
   out = aligned([head] + lines)
   if differ:
     out.append(f'(GiB/chip: compiled, per variant where they differ: {" / ".join(variants)})')
@@ -334,5 +404,5 @@ def table(rows, variants) -> str:
     out.append(f'best for {v}: {layout} ({mfu:.1%} modeled MFU)')
   for v in variants:
     if v not in best:
-      out.append(f'best for {v}: none (its program fits at no compiled layout)')
+      out.append(f'best for {v}: none (its program fits at no compiled {what})')
   return '\n'.join(out)

@@ -311,6 +311,54 @@ def test_search_table_judges_each_variant_by_its_own_memory():
       rows, variants)
 
 
+def test_refine_sweeps_the_program_settings_at_the_config_layout(capsys):
+  """--refine: every combination of the settings the search does not sweep, the baseline's
+  and xla's programs compiled once per (scan_unroll, cast_in_loop) since the accumulators
+  change only ours'; a combination the model refuses is skipped with its reason."""
+  from launch import search  # pylint: disable=import-outside-toplevel
+  from trainer import config as config_lib  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'), [])
+  variants = ['baseline', 'ours']
+  assert len(search.knob_grid(cfg, variants)) == 8
+  assert {k.gradient_accumulators for k in search.knob_grid(cfg, ['baseline'])} == {'sharded'}
+  calls = []
+
+  def compile_layout(overrides, only):
+    calls.append((overrides, only))
+    knobs = dict(o.removeprefix('--config.').split('=') for o in overrides)
+    fast = knobs['model.scan_unroll'] == '2' and knobs['model.cast_in_loop'] == 'True'
+    sharded = knobs['parallelism.gradient_accumulators'] == 'sharded'
+    return _compiled({v: 31.1 if fast and v == 'ours' and not sharded else 30.7 for v in only},
+                     {v: 0.6 + 0.1 * (v == 'ours') + 0.05 * fast + 0.01 * sharded
+                      for v in only})
+
+  odd = cfg.replace({'model.num_layers': 99})  # two layers an iteration cannot divide 99
+  assert search.refine(odd, variants, compile_layout) == 0
+  assert [o for o, _ in calls] == [k.overrides for k in search.knob_grid(odd, variants)
+                                   if k.scan_unroll == 1]
+  err = capsys.readouterr().err
+  assert 'skip scan_unroll=2 cast_in_loop=False gradient_accumulators=any: model.scan_unroll' in err
+  calls.clear()
+  assert search.refine(cfg, variants, compile_layout) == 0
+  assert [only for _, only in calls] == [variants, ['ours']] * 4
+  out = capsys.readouterr()
+  assert 'refine at the config\'s layout: 8 of 8 settings' in out.err
+  assert re.search(r'compiled 8 setting\(s\), 12 program\(s\), in \d+ s', out.err)
+  lines = out.out.splitlines()
+  cells = lambda line: re.split(r'\s{2,}', line)
+  assert cells(lines[0]) == ['setting', 'GiB/chip', 'fit', 'baseline MFU', 'ours MFU']
+  assert cells(lines[2])[1:] == ['30.7', 'FITS', 'not compiled', '71.0%']  # sharded: ours only
+  fast = 'scan_unroll=2 cast_in_loop=True'
+  assert f'best for baseline: {fast} gradient_accumulators=any (65.0% modeled MFU)' in lines
+  # ours is fastest with the accumulators 'any' there, but does not fit: 'sharded' does
+  assert f'best for ours: {fast} gradient_accumulators=sharded (76.0% modeled MFU)' in lines
+
+
+def test_refine_and_search_are_one_or_the_other(capsys):
+  assert aot.main(['--config', DENSE_10B, '--search', '--refine']) == 2
+  assert capsys.readouterr().err.startswith('error: --search and --refine: give one')
+
+
 def test_search_memory_estimate_against_compiled_totals():
   """The estimate for dense_500b's search layout (remat `save_dot_except_qkv`, its config's
   until two layers an iteration fitted) is within 3% of its compiled total (ours 28.10 GiB
