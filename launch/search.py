@@ -114,14 +114,16 @@ class Knobs:
   gradient_accumulators: str
 
   @property
+  def changes(self) -> dict:
+    return {'model.scan_unroll': self.scan_unroll, 'model.cast_in_loop': self.cast_in_loop,
+            'parallelism.gradient_accumulators': self.gradient_accumulators}
+
+  @property
   def overrides(self) -> list[str]:
-    return [f'--config.model.scan_unroll={self.scan_unroll}',
-            f'--config.model.cast_in_loop={self.cast_in_loop}',
-            f'--config.parallelism.gradient_accumulators={self.gradient_accumulators}']
+    return [f'--config.{key}={value}' for key, value in self.changes.items()]
 
   def __str__(self) -> str:
-    return (f'scan_unroll={self.scan_unroll} cast_in_loop={self.cast_in_loop} '
-            f'gradient_accumulators={self.gradient_accumulators}')
+    return ' '.join(f'{key.split(".")[-1]}={value}' for key, value in self.changes.items())
 
 
 def knob_grid(cfg, variants) -> list[Knobs]:
@@ -327,10 +329,7 @@ def refine(cfg, variants, compile_layout) -> int:
   chosen = []
   for knobs in grid_:
     try:
-      cfg.replace({'model.scan_unroll': knobs.scan_unroll,
-                   'model.cast_in_loop': knobs.cast_in_loop,
-                   'parallelism.gradient_accumulators': knobs.gradient_accumulators}
-                  ).validate()
+      cfg.replace(knobs.changes).validate()
       chosen.append(knobs)
     except ValueError as e:
       progress(f'  skip {knobs}: {str(e).splitlines()[0]}')
