@@ -369,12 +369,14 @@ def table(rows, variants, what: str = 'layout') -> str:
   """The compiled layouts (or ``--refine``'s settings, ``what``): each variant's memory (one
   GiB figure, or one per variant in column order where they differ), fit and modeled MFU;
   the best per variant among those where that variant's own program fits."""
-  head = [what, 'est GiB', 'GiB/chip', 'fit'] + [f'{v} MFU' for v in variants]
-  est = lambda e: '-' if e is None else f'{e / 2**30:.1f}'
+  estimated = any(r[1] is not None for r in rows)  # --refine estimates nothing
+  est = lambda e: [f'{e / 2**30:.1f}'] if estimated else []
+  head = [what] + (['est GiB'] if estimated else []) + ['GiB/chip', 'fit'] + [
+      f'{v} MFU' for v in variants]
   lines, best, differ = [], {}, False
   for layout, estimate, _, s in rows:
     if s is None:
-      lines.append([str(layout), est(estimate), '-', 'compile failed'] +
+      lines.append([str(layout), *est(estimate), '-', 'compile failed'] +
                    ['-'] * len(variants))
       continue
     done = [v for v in variants if v in s['variants']]  # --refine compiles some once
@@ -383,7 +385,7 @@ def table(rows, variants, what: str = 'layout') -> str:
     gib = [f"{m['total'] / 2**30:.1f}" if 'total' in m else '-' for m in mems.values()]
     differ |= len(set(gib)) > 1
     unfit = [v for v in done if not fits[v]]
-    cells = [str(layout), est(estimate), ' / '.join(gib) if len(set(gib)) > 1
+    cells = [str(layout), *est(estimate), ' / '.join(gib) if len(set(gib)) > 1
              else gib[0], 'FITS' if not unfit else 'DOES NOT FIT' if len(unfit) == len(done)
              else 'DOES NOT FIT: ' + ', '.join(unfit)]
     for v in variants:
@@ -393,8 +395,6 @@ def table(rows, variants, what: str = 'layout') -> str:
       if mfu and fits[v] and mfu > best.get(v, (0, None))[0]:
         best[v] = (mfu, layout)
     lines.append(cells)
-  if all(r[1] is None for r in rows):  # nothing estimated (--refine): no estimate column
-    head, lines = head[:1] + head[2:], [line[:1] + line[2:] for line in lines]
   out = aligned([head] + lines)
   if differ:
     out.append(f'(GiB/chip: compiled, per variant where they differ: {" / ".join(variants)})')

@@ -337,7 +337,8 @@ def test_refine_sweeps_the_program_settings_at_the_config_layout(capsys):
   assert [o for o, _ in calls] == [k.overrides for k in search.knob_grid(odd, variants)
                                    if k.scan_unroll == 1]
   err = capsys.readouterr().err
-  assert 'skip scan_unroll=2 cast_in_loop=False gradient_accumulators=any: model.scan_unroll' in err
+  assert ('skip scan_unroll=2 cast_in_loop=False gradient_accumulators=any: '
+          'model.scan_unroll') in err
   calls.clear()
   assert search.refine(cfg, variants, compile_layout) == 0
   assert [only for _, only in calls] == [variants, ['ours']] * 4
