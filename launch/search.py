@@ -311,7 +311,7 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
   passed = f'{len(kept)} pass the checks and the memory estimate'
   if not args.max_compiles:
     progress(f'{passed}; compiling none')
-    print(ranking(kept))
+    print(ranking(kept, profile.usable_hbm_bytes))
     return 0
   chosen = kept[:args.max_compiles]
   progress(f'{passed}; compiling the best {len(chosen)} by analytical MFU, '
@@ -363,12 +363,16 @@ def aligned(rows) -> list[str]:
   return ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def ranking(kept) -> str:
-  """The layouts that passed, best first, with the estimates that ranked them."""
+def ranking(kept, usable: float) -> str:
+  """The layouts that passed, best first, with the estimates that ranked them; those
+  estimated above the ``usable`` bytes (within the margin) marked."""
   head = ['rank', 'layout', 'est GiB', 'analytical MFU']
-  lines = [[str(i + 1), str(layout), f'{estimate / 2**30:.1f}', f'{mfu:.1%}']
-           for i, (layout, estimate, mfu) in enumerate(kept)]
+  lines = [[str(i + 1), str(layout), f'{estimate / 2**30:.1f}' + '*' * (estimate > usable),
+            f'{mfu:.1%}'] for i, (layout, estimate, mfu) in enumerate(kept)]
   out = aligned([head] + lines)
+  if any(estimate > usable for _, estimate, _ in kept):
+    out.append(f'(*: estimated above the usable {usable / 2**30:.2f} GiB, within the '
+               f"estimate's {ESTIMATE_MARGIN:.0%} margin: compile it to know)")
   out.append('(estimates, not compiled: --max_compiles N compiles the first N)')
   return '\n'.join(out)
 

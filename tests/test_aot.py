@@ -222,6 +222,9 @@ def test_search_grid_prunes_by_checks_and_memory():
   # ... but not the config's own layout, which compiles to 29.98 GiB (remat minimal) and
   # which the estimate puts above the usable 30.75 (within its margin)
   assert search.Layout(1, 128, 8, 256, 'minimal') in {l for l, _, _ in kept}
+  ranked = search.ranking(kept, profile.usable_hbm_bytes).splitlines()
+  [row] = [r for r in ranked if 'data=1 fsdp=128 tensor=8 batch=256 remat=minimal' in r]
+  assert '31.3*' in row and '(*: estimated above the usable 30.75 GiB' in ranked[-2]
   assert any('not divisible' in s or 'not a multiple' in s for s in skipped)  # the checks too
   mfus = [round(m, 3) for _, _, m in kept]  # ties: more tokens per chip first
   assert mfus == sorted(mfus, reverse=True) and all(0 < m < 1 for m in mfus)
