@@ -414,7 +414,8 @@ def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
   """The step's work outside matmuls (additions, copies, slices, elementwise passes), in
   modeled seconds per step, by where it comes from: the dense layer and pass (a decomposed
   einsum's own instructions marked ``ring``) and the operation (the op_name's last part,
-  with the ``jit(...)`` it sits in); the ``top`` most."""
+  with the ``jit(...)`` it sits in), or, for the compiler's own instructions (no op_name),
+  their opcode and shape with its layout (``step_model.unnamed_key``); the ``top`` most."""
   out = {}
   for op_name, seconds in by_op.items():
     parts = op_name.split('/')

@@ -529,7 +529,8 @@ class Result:
   hbm_bytes: float
   collectives: dict           # kind -> {'count', 'seconds'} per step
   compute_terms: dict         # compute_term() -> seconds per step; they sum to compute
-  non_matmul_by_op: dict      # op_name -> seconds per step of instructions with no matmul
+  non_matmul_by_op: dict      # op_name (unnamed_key() without) -> seconds per step of
+                              # instructions with no matmul
   pairs: list[dict]           # asynchronous collectives: start, done, what runs between
   exposed_by: dict            # exposed_key() -> seconds per step; they sum to exposed_comm
   warnings: list[str]
@@ -627,7 +628,8 @@ class _Model:
     for term, seconds in compute_terms(ins.op_name, f / self.chip.matmul_rate, c):
       tl.by_term[term] = tl.by_term.get(term, 0.0) + seconds
     if not f:
-      tl.by_op[ins.op_name] = tl.by_op.get(ins.op_name, 0.0) + c
+      key = ins.op_name or unnamed_key(ins)
+      tl.by_op[key] = tl.by_op.get(key, 0.0) + c
     return c, f
 
   def _collective_seconds(self, ins: Instr, coll: Instr, shapes,
@@ -759,6 +761,18 @@ def exposed_key(kind: str, asynchronous: bool, op_name: str) -> str:
   asynchronous (waited for at its done) or blocked the chip, and its op_name (empty for a
   collective the compiler made without one, such as its reductions of partial sums)."""
   return f"{kind} ({'async' if asynchronous else 'sync'}) @ {op_name}"
+
+
+UNNAMED = "the compiler's "
+
+
+def unnamed_key(ins: Instr) -> str:
+  """The ``non_matmul_by_op`` key of an instruction with no op_name (one the compiler
+  added: a layout copy, a loop's buffer copy): its opcode and shape with the layout, minus
+  the tiling, as ``the compiler's copy bf16[2,2048,20480]{1,2,0}``. Two copies of one
+  array differ only in their layouts."""
+  shape = re.sub(r':[^{}]*}', '}', ins.shape)
+  return f'{UNNAMED}{ins.opcode} {shape if len(shape) <= 80 else shape[:77] + "..."}'
 
 
 def split_exposed_key(key: str) -> tuple[str, str]:

@@ -119,8 +119,14 @@ def test_a_rings_additions_of_partial_sums_are_a_term_of_their_own():
 def test_non_matmul_work_by_op_name():
   r = step_model.analyze(HAND_BUILT, CHIP)
   add, compare = (4 + 4 + 4) / 1e11, (4 + 4 + 1) / 1e11  # the loop counter and condition
-  assert r.non_matmul_by_op == {'': pytest.approx(3 * add + 4 * compare)}
+  # the compiler's own instructions (no op_name) by opcode and shape
+  assert r.non_matmul_by_op == {"the compiler's add s32[]": pytest.approx(3 * add),
+                                "the compiler's compare pred[]": pytest.approx(4 * compare)}
   assert sum(r.non_matmul_by_op.values()) == pytest.approx(r.compute_terms['plain: non-matmul'])
+  # with the layout that tells two copies of one array apart, not the tiling
+  copy = hlo_text.Instr('copy.1', 'bf16[2,2048,20480]{1,2,0:T(8,128)(2,1)S(3)}', 'copy',
+                        ['x'], '', '')
+  assert step_model.unnamed_key(copy) == "the compiler's copy bf16[2,2048,20480]{1,2,0}"
 
 
 def test_compute_hides_the_transfer_when_it_is_longer():
