@@ -155,7 +155,7 @@ def grid(cfg, chips: int) -> list[Layout]:
 # How far above the usable HBM an estimate may be and its layout still compiled: the
 # estimate's largest overestimate against a compiled total (500B ``minimal``: 31.3 / 29.98
 # GiB, 4.4%; the module docstring). A layout within it that does not fit costs one compile,
-# which then reports DOES NOT FIT; below it, that layout was skipped though it fits.
+# which then reports DOES NOT FIT; without it, that 500B layout was skipped though it fits.
 ESTIMATE_MARGIN = 0.05
 
 # Bytes per parameter of one layer, per tensor shard, that FSDP holds unsharded at once:
