@@ -421,8 +421,12 @@ def costliest_non_matmul(by_op: dict, top: int = 10) -> dict:
     parts = op_name.split('/')
     what = '/'.join(parts[-2:]) if len(parts) > 2 and parts[-2].startswith('jit(') else parts[-1]
     where = _layer(op_name)
-    label = _origin(op_name, what) if where == '-' else \
-        f"{where}{' ring' if RING_SCOPE in op_name else ''}: {what}"
+    if op_name.startswith(step_model.UNNAMED):  # already says what it is
+      label = op_name
+    elif where == '-':
+      label = _origin(op_name, what)
+    else:
+      label = f"{where}{' ring' if RING_SCOPE in op_name else ''}: {what}"
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
@@ -452,7 +456,7 @@ def _origin(op_name: str, what: str) -> str:
   if where != '-':
     return where
   return what + (' (bwd)' if 'transpose(' in op_name else '') if op_name else \
-      "the compiler's (no op_name)"
+      f'{step_model.UNNAMED}(no op_name)'
 
 
 def _layer(op_name: str) -> str:
