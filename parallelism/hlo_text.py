@@ -142,6 +142,14 @@ def tuple_element(shape: str, k: int) -> str:
   return parts[k] if len(parts) > k else (parts[0] if parts else '')
 
 
+def memory_space(shape: str, k: int) -> int:
+  """The memory space of the ``k``-th array of a (flattened) tuple shape: the ``S(n)`` of
+  its layout, 0 (HBM, the default) where the layout names none."""
+  layouts = re.findall(r'[a-z][a-z0-9]*\[[0-9,]*\](\{[^}]*\})?', shape)
+  m = re.search(r'S\((\d+)\)', layouts[k]) if len(layouts) > k else None
+  return int(m.group(1)) if m else 0
+
+
 def _iota(dims, perm=None) -> np.ndarray:
   ids = np.arange(math.prod(dims)).reshape(dims)
   return ids.transpose(perm) if perm else ids

@@ -31,7 +31,9 @@ Per instruction:
   A collective-permute sends its buffer over one link: ``bytes / bw +
   step_latency``.
 * **Asynchronous copies and slices** (``copy-start/done``,
-  ``slice-start/done``): ``2 x bytes / hbm_bandwidth``, on DMA engines.
+  ``slice-start/done``): ``bytes / hbm_bandwidth`` for each end in HBM, on DMA
+  engines: twice for a copy within HBM, once for a prefetch into or an eviction
+  from another memory space (``S(n)`` in the layout; ``dma_seconds``).
 
 Schedule: a clock ``t`` advances by every compute instruction and every
 synchronous collective (which blocks: all its time is exposed). An
@@ -100,8 +102,9 @@ import numpy as np
 
 from parallelism import hardware
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
-from parallelism.hlo_text import (Instr, Module, first_group, parse, shape_bytes,
-                                  shape_dims, source_target_pairs, tuple_element)
+from parallelism.hlo_text import (Instr, Module, first_group, memory_space, parse,
+                                  shape_bytes, shape_dims, source_target_pairs,
+                                  tuple_element)
 
 FREE = {'parameter', 'get-tuple-element', 'tuple', 'constant', 'bitcast', 'after-all',
         'partition-id', 'replica-id', 'opt-barrier', 'add-dependency', 'domain',
@@ -666,7 +669,7 @@ class _Model:
       tl.comm += s
       tl.count(label, s)
     else:  # copy-start, slice-start, other async work: a DMA of the result
-      s = 2 * shape_bytes(tuple_element(ins.shape, 1)) / self.chip.hbm_bandwidth
+      s = dma_seconds(ins.shape, self.chip)
       kind = kind if kind in DMA else 'async'
     pending[ins.name] = {
         'computation': comp, 'start': ins.name, 'kind': kind, 'collective': coll is not None,
@@ -754,6 +757,15 @@ class _Model:
 
     return {c: count(c) for c in self.m.computations}
 
+
+
+def dma_seconds(shape: str, chip: Chip) -> float:
+  """An asynchronous copy's or slice's time: its bytes once for each of its two ends
+  (elements 0 and 1 of its result tuple) in HBM, at least once. A prefetch into another
+  memory space or an eviction from it (the v4 compiler's memory-space assignment, ``S(3)``
+  in the layout) crosses HBM once; the other memory spaces are taken to be no slower."""
+  in_hbm = sum(memory_space(shape, k) == 0 for k in (0, 1))
+  return max(in_hbm, 1) * shape_bytes(tuple_element(shape, 1)) / chip.hbm_bandwidth
 
 
 def exposed_key(kind: str, asynchronous: bool, op_name: str) -> str:

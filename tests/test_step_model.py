@@ -491,3 +491,30 @@ ENTRY %main () -> bf16[64,128] {
   buf, copy = module.computations[module.entry]
   assert costs.instr_bytes(buf, module.entry) == 0
   assert costs.instr_bytes(copy, module.entry) == 2 * 64 * 128 * 2
+
+
+# An HBM-to-HBM copy, a prefetch into memory space 3 and an async slice out of HBM into it,
+# each waited for at once: the chip waits out the whole DMA of each.
+COPIES = """HloModule copies, is_scheduled=true, num_partitions=1
+
+ENTRY %main (x: bf16[1024,1024]) -> bf16[512,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %hbm-start = (bf16[1024,1024]{0,1}, bf16[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%x)
+  %hbm = bf16[1024,1024]{0,1} copy-done(%hbm-start)
+  %pre-start = (bf16[1024,1024]{1,0:T(8,128)(2,1)S(3)}, bf16[1024,1024]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%x)
+  %pre = bf16[1024,1024]{1,0:T(8,128)(2,1)S(3)} copy-done(%pre-start)
+  %half-start = ((bf16[1024,1024]{1,0}), bf16[512,1024]{1,0:S(3)}, s32[]{:S(2)}) slice-start(%x), slice={[0:512], [0:1024]}
+  ROOT %half = bf16[512,1024]{1,0:S(3)} slice-done(%half-start)
+}
+"""
+
+
+def test_an_async_copy_crosses_hbm_once_for_each_end_there():
+  assert [hlo_text.memory_space('(bf16[4]{0:T(8)S(3)}, bf16[4]{0}, u32[]{:S(2)})', k)
+          for k in range(3)] == [3, 0, 2]
+  assert hlo_text.memory_space('bf16[4]', 0) == 0
+  r = step_model.analyze(COPIES, CHIP)
+  size = 1024 * 1024 * 2
+  # within HBM: read and written there; into memory space 3: read there only
+  assert r.exposed_dma_seconds == pytest.approx((2 * size + size + size / 2) / 1e11)
+  assert r.step_seconds == pytest.approx(r.exposed_dma_seconds)
