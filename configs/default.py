@@ -135,6 +135,10 @@ def get_config() -> ml_collections.ConfigDict:
   # any_forward (also a weight gradient beside the compiler's forward, over fsdp where the
   # compiler's reduce-scatter would block; pays on some layouts only: configs/v5p.py).
   c.parallelism.gradient_rings = 'ringed_forward'
+  # How operands the rings slice are laid out: compiler (its choice; where a ring slices the
+  # minor dimension it copies the operand whole first) | contiguous (laid out for the blocks
+  # where they are made; pays on some layouts only: configs/dense_500b.py).
+  c.parallelism.block_layout = 'compiler'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import layout
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import cost_model, einsum_plan, ring
@@ -40,6 +41,10 @@ GRADIENT_ACCUMULATORS = ('any', 'sharded')
 # Which layers' gradients auto may ring (``explain``): only those whose forward rings, or
 # also those whose forward is left to the compiler (``_gradients_alone``).
 GRADIENT_RINGS = ('ringed_forward', 'any_forward')
+# How a ring's sliced operand is laid out (``parallelism.block_layout``): as the compiler
+# chooses, or with each block contiguous where the ring slices the minor dimension
+# (``contiguous_blocks``).
+BLOCK_LAYOUTS = ('compiler', 'contiguous')
 # The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
 WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
@@ -413,8 +418,11 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
 
 
 def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_spec,
-                 unroll: int = 1, ring_dtype: str = 'compute') -> jax.Array:
+                 unroll: int = 1, ring_dtype: str = 'compute',
+                 block_layout: str = 'compiler') -> jax.Array:
   """Computes the einsum as ``decision`` (from ``explain``) says."""
+  if block_layout not in BLOCK_LAYOUTS:
+    raise ValueError(f'block_layout={block_layout!r} is not one of {BLOCK_LAYOUTS}')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
@@ -424,7 +432,7 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
                   decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
-                  decision.backward, decision.backward_over)
+                  decision.backward, decision.backward_over, block_layout == 'contiguous')
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 
@@ -461,6 +469,7 @@ class _Static:
   wire_fp32: bool = False  # partial sums (accumulators, reductions) travel in fp32
   backward: tuple[str, str] = ('ring', 'ring')  # Decision.backward
   backward_over: tuple = (None, None)  # Decision.backward_over
+  contiguous: bool = False  # block_layout='contiguous': blocks of sliced operands contiguous
 
   def transposed(self, which: str) -> '_Static':
     """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs'), over the
@@ -565,6 +574,7 @@ class _Ring:
   scatter: dict           # output dim -> the summed axes it is reduce-scattered over
   reduce_dtype: Any       # what the reduction over ``summed`` carries
   keep: bool = False      # an all-gather ring also returns the operand it gathered, whole
+  contiguous: bool = False  # contiguous_blocks on the operands the rings slice
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
@@ -615,7 +625,7 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   # on CPU they are reduced in fp32.
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
-            _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered)
+            _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous)
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -755,6 +765,8 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   owner = lhs if on_lhs else rhs
   dim = (eq.lhs if on_lhs else eq.rhs).index(z)
   block = owner.shape[dim] // r.n
+  if r.contiguous:
+    owner = contiguous_blocks(owner, dim)
 
   # Partial sums leave the MXU (fp32 inside) in the wire dtype, travel and wait in it.
   wire = r.wire
@@ -831,7 +843,8 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
                                               preferred_element_type=wire))
 
   if r.keep:  # every block that passes is also written into the whole operand
-    consume, consume_pair = _keeping(consume, consume_pair, g_letters.index(x), m)
+    consume, consume_pair = _keeping(consume, consume_pair, g_letters.index(x), m,
+                                     r.contiguous)
     acc = (acc, jax.lax.pcast(ring.fresh_buffer(_times(g.shape, g_letters.index(x), n),
                                                 g.dtype, after=g), r.manual, to='varying'))
   out = ring.all_gather_einsum(g, consume, acc, axis=plan.axis, n=n, idx=idx, split=r.split,
@@ -843,10 +856,28 @@ def _times(shape, dim, n):
   return shape[:dim] + (shape[dim] * n,) + shape[dim + 1:]
 
 
-def _keeping(consume, consume_pair, dim, m):
+def contiguous_blocks(x: jax.Array, dim: int) -> jax.Array:
+  """``x`` laid out so that its blocks along ``dim`` are contiguous, where ``dim`` is
+  the minor dimension: it goes second-minor, the one before it minor.
+
+  A weight-gradient ring over fsdp slices its activation operand along the model
+  dimension, the minor one; left to itself, the compiler copies the whole operand into
+  such a layout once a layer (dense_500b: 0.11 s a step; docs/paper_scale.md).
+  """
+  if x.ndim < 2 or dim != x.ndim - 1:
+    return x
+  order = tuple(range(x.ndim - 2)) + (x.ndim - 1, x.ndim - 2)
+  return layout.with_layout_constraint(x, layout.Layout(major_to_minor=order))
+
+
+def _keeping(consume, consume_pair, dim, m, contiguous: bool = False):
   """``consume`` and ``consume_pair`` over (acc, whole): each block also written into
-  ``whole`` at its source's offset along ``dim``."""
-  put = lambda whole, block, src: jax.lax.dynamic_update_slice_in_dim(whole, block, src * m, dim)
+  ``whole`` at its source's offset along ``dim``. With ``contiguous``, ``whole`` (the
+  cotangent a weight-gradient ring over another axis slices next, along its last
+  dimension) is laid out for that ring's blocks (``contiguous_blocks``)."""
+  lay = (lambda w: contiguous_blocks(w, w.ndim - 1)) if contiguous else (lambda w: w)
+  put = lambda whole, block, src: lay(
+      jax.lax.dynamic_update_slice_in_dim(whole, block, src * m, dim))
 
   def keep_one(carry, block, src):
     acc, whole = carry

@@ -24,7 +24,8 @@ from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
 from parallelism import moe
-from parallelism.collective_einsum import (GRADIENT_ACCUMULATORS, GRADIENT_RINGS, RING_DTYPES,
+from parallelism.collective_einsum import (BLOCK_LAYOUTS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS,
+                                          RING_DTYPES,
                                           explain, run_decision, unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
@@ -131,6 +132,7 @@ class MatmulPolicy:
   gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
   gradient_rings: str = 'ringed_forward'  # ringed_forward | any_forward (GRADIENT_RINGS)
   plain_layers: tuple[str, ...] = ()    # layer path patterns that stay plain (fnmatch)
+  block_layout: str = 'compiler'        # compiler | contiguous (BLOCK_LAYOUTS)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
@@ -138,13 +140,13 @@ class MatmulPolicy:
     p = cfg.parallelism
     plain = tuple(s.strip() for s in p.plain_layers.split(',')) if p.plain_layers else ()
     return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
-               p.gradient_accumulators, p.gradient_rings, plain)
+               p.gradient_accumulators, p.gradient_rings, plain, p.block_layout)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
                'direction': ('unidirectional', 'bidirectional'),
                'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS,
-               'gradient_rings': GRADIENT_RINGS}
+               'gradient_rings': GRADIENT_RINGS, 'block_layout': BLOCK_LAYOUTS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -232,7 +234,8 @@ class ShardedOps(Ops):
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       out = run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
                          rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
-                         ring_dtype=self.policy.ring_dtype)
+                         ring_dtype=self.policy.ring_dtype,
+                         block_layout=self.policy.block_layout)
     return saved(out, save_as, save_parts if decision.mode != 'none' else None)
 
   def local(self, fn, *args, in_axes, out_axes):

@@ -52,6 +52,8 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.parallelism.unroll=0'], 'parallelism.unroll=0 must be an integer of at least 1'),
     (['--config.parallelism.gradient_rings=all'],
      "parallelism.gradient_rings='all' is not one of ('ringed_forward', 'any_forward')"),
+    (['--config.parallelism.block_layout=tiled'],
+     "parallelism.block_layout='tiled' is not one of ('compiler', 'contiguous')"),
     (['--config.parallelism.plain_layers=blocks.*.mlp.gate_up'],
      "parallelism.plain_layers: 'blocks.*.mlp.gate_up' matches no layer"),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),

@@ -712,6 +712,31 @@ def test_weight_gradient_ring_over_fsdp_matches_einsum(mode, forward):
     assert any(re.match(r'(reduce.scatter|all.reduce)', n) for n in over) == reduced, over
 
 
+def test_contiguous_blocks_lay_out_what_the_weight_gradient_ring_slices():
+  # mlp.down's weight gradient rings over fsdp, slicing the cotangent [b, t, d] along d, its
+  # minor dim; the data gradient's ring over tensor keeps that cotangent for it. Under
+  # block_layout='contiguous' both are laid out with d second-minor ({1,2,0}: each block
+  # contiguous, no copy of the whole by the compiler), with the same values and gradients.
+  mesh = _mesh(2, data=1)
+  eq, ls, rs, os_ = DOWN
+  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 8))
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='bidirectional')
+  d = dataclasses.replace(d, backward_over=(None, (F, 'bidirectional')))
+  for block_layout, pinned in (('compiler', False), ('contiguous', True)):
+    f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                  out_spec=os_, block_layout=block_layout)
+    _assert_gradients_match_einsum(f, eq, x, w)
+    loss = lambda x, w: jnp.sum(f(x, w) * weights((8, 4, 8)))
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w)
+    assert ('LayoutConstraint' in lowered.as_text()) == pinned
+    assert bool(re.search(r'f32\[\d+,\d+,8\]\{1,2,0\}', lowered.compile().as_text())) == pinned
+  with pytest.raises(ValueError, match="block_layout='tiled'"):
+    run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+                 block_layout='tiled')
+
+
 def test_operands_gathered_along_their_minor_dim_come_first():
   # mlp.down's weight [f, d] is gathered over fsdp along d, its minor dim: the ring takes
   # it as [d, f] (transposed as a local shard, before the gather). Its weight gradient's

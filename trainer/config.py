@@ -212,6 +212,11 @@ class Parallelism:
                                'all-to-all) whatever collective_matmul says: comma-separated '
                                'paths as the parallelism report names them, * matching any '
                                "part (e.g. 'blocks.*.attn.o,unembed'); each must match a layer")
+  block_layout: str = _key('compiler', "layout of the operands rings slice: compiler (the "
+                                       "compiler's choice; it copies an operand sliced "
+                                       'along its minor dimension whole, to make blocks '
+                                       'contiguous) | contiguous (laid out so where it is '
+                                       'made: no copy)')
 
 
 @dataclasses.dataclass(frozen=True)
