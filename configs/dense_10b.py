@@ -47,6 +47,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.scan_unroll = 1  # two layers per iteration: 1.257 s per step against 1.210 (modeled)
   c.model.cast_in_loop = False     # dense_500b's casts in the scan are for its layout
   c.parallelism.gradient_accumulators = 'any'  # dense_500b's 'sharded' is for its memory
+  c.parallelism.unroll = 1
+  # dense_500b's first moment, ring steps, plain unembedding and block layout are for its
+  # memory and layout
+  c.optimizer.mu_dtype = 'param'
+  c.parallelism.plain_layers = ''
+  c.parallelism.block_layout = 'compiler'
   c.hardware.xla_flags = 'default'  # the chip's flags only (not the 500B's ICI pipelining)
   c.aot.topology = 'v4:4x4x8'      # the slice launch.aot compiles for (--topology overrides)
   return c

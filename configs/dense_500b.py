@@ -3,10 +3,12 @@ r"""A ~500B-parameter dense decoder (Llama-style) on 1024 TPU v4 chips.
 496.3B parameters: 100 scanned blocks, d_model 20480, 160 query heads of 128
 over 16 key/value heads, SwiGLU 65536, vocabulary 32768, untied embeddings.
 Mesh fsdp=128 x tensor=8 on a v4:8x8x16 slice, global batch 256 x 2048
-tokens, bf16 compute over fp32 master weights and AdamW state, remat minimal
-(every projection's output kept), two layers per scan iteration with each
-layer's weights cast inside the scan, every weight gradient ringed over fsdp
-(``parallelism.gradient_accumulators='sharded'``), splash attention,
+tokens, bf16 compute over fp32 master weights, AdamW's first moment in bf16 and
+its second in fp32, remat minimal (every projection's output kept), two layers
+per scan iteration with each layer's weights cast inside the scan, every weight
+gradient ringed over fsdp (``parallelism.gradient_accumulators='sharded'``),
+two ring steps per loop iteration, the rings' sliced operands laid out for
+their blocks (``parallelism.block_layout``), splash attention,
 fused q/k/v and gate/up projections, XLA's collective pipelining over ICI on top of
 the chip's flags (``hardware.xla_flags``).
 The paper (Wang et al., ASPLOS 2023) reports 72% of peak FLOPS for a 500B
@@ -57,7 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
   # backward; with one, the backward waits 0.19 s a step for mlp.down's gather over fsdp)
   # and each layer's weights cast inside the scan (no bf16 copy of all layers' weights).
   # Fits with the weight-gradient rings of parallelism.gradient_accumulators='sharded'
-  # (below): 30.74 GiB per chip of 30.75 (modeled, ours 8.017 s, baseline 9.016 s). The
+  # (below): 30.74 GiB per chip of 30.75 (modeled, ours 8.017 s, baseline 9.016 s, before
+  # the ring settings and bf16 first moment below). The
   # layout before, remat 'save_dot_except_qkv' with one layer per iteration and the
   # compiler's casts: ours 8.254 s, baseline 9.446 s, slower for every variant
   # (docs/paper_scale.md). The layout search ranks this layout first (its memory estimate,
@@ -71,6 +74,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.learning_rate = 1e-4
   c.optimizer.warmup_steps = 2000
   c.optimizer.weight_decay = 0.1
+  # AdamW's first moment in bf16 (MaxText's mu_dtype; DeepSeek-V3 keeps both moments in
+  # bf16): 0.9 GiB per chip less, the room the ring settings below need (ours 7.867 s at
+  # 30.63 GiB of 30.75; with fp32 moments 31.2 GiB, which does not fit). The second moment
+  # and the master weights stay fp32. The optimizer's update with it: tests/test_trainer.py.
+  c.optimizer.mu_dtype = 'bfloat16'
 
   c.data.path = 'synthetic'        # point at real tokens (.npy/.bin) to train
 
@@ -87,10 +95,14 @@ def get_config() -> ml_collections.ConfigDict:
   # compiler's reduce-scatter (the attention's did, under 'any': 31.09 GiB per chip here,
   # which does not fit; docs/paper_scale.md).
   c.parallelism.gradient_accumulators = 'sharded'
-  # One ring step per loop iteration. At the layout before, two ran 0.185 s less compute
-  # (the loop's block copies and some additions go) but the attention's backward rings
-  # waited more: 8.299 s against 8.254 s (docs/paper_scale.md).
-  c.parallelism.unroll = 1
+  # Two ring steps per loop iteration (the loop's block copies and some additions go), the
+  # unembedding's small ring left plain (0.32 GiB), and each weight-gradient ring's
+  # activation operand laid out for its blocks where it is made (the compiler copied it
+  # whole once a layer: 0.11 s a step). Modeled, v4: ours 7.998 s with one ring step an
+  # iteration and fp32 moments, 7.867 s with these (docs/paper_scale.md, Recent changes).
+  c.parallelism.unroll = 2
+  c.parallelism.plain_layers = 'unembed'
+  c.parallelism.block_layout = 'contiguous'
 
   c.hardware.name = 'tpu_v4'
   # The chip's flags (MaxText's), then XLA's pipelining of a scanned layer's all-gathers

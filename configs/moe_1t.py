@@ -78,6 +78,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Four ring steps per loop iteration: a ring of 8 has every bidirectional round in one
   # iteration (modeled, ours 3.504 s at 30.12 GiB; 2: 3.536 s; 1: 3.620 s; 8: as 4).
   c.parallelism.unroll = 4
+  # dense_500b's first moment, ring steps, plain unembedding and block layout are for its
+  # memory and layout
+  c.optimizer.mu_dtype = 'param'
+  c.parallelism.plain_layers = ''
+  c.parallelism.block_layout = 'compiler'
   # The chip's flags only: the 500B's ICI pipelining leaves every variant's step unchanged.
   c.hardware.xla_flags = 'default'
 
