@@ -118,6 +118,10 @@ def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n:
   (writes an einsum at its offset, or adds a partial sum). A bidirectional
   step holds two blocks; ``consume_pair(acc, a, src_a, b, src_b)`` folds both
   with one einsum (as XLA's windowed einsum does), else ``consume`` runs twice.
+  A block is passed on only once the previous round's einsum is done (``waiting_for``),
+  so each round's einsum runs while the next blocks travel: left free, the TPU
+  compiler's scheduler ran some rounds' transfers back to back with nothing between
+  (dense_500b's q/k/v forward ring: 0.093 s a step exposed; docs/paper_scale.md).
   """
   if consume_pair is None:
     consume_pair = lambda acc, a, sa, b, sb: consume(consume(acc, a, sa), b, sb)
@@ -131,12 +135,14 @@ def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n:
 
   def both(s, carry):  # blocks idx+s and idx-s in hand; fetch the next two
     acc, right, left = carry
-    nxt_r, nxt_l = recv_from(right, axis, n, +1), recv_from(left, axis, n, -1)
+    # passed on once the previous round's einsum is done: this round's overlaps the transfer
+    r_, l_ = waiting_for((right, left), acc)
+    nxt_r, nxt_l = recv_from(r_, axis, n, +1), recv_from(l_, axis, n, -1)
     return consume_pair(acc, right, at(s), left, at(-s)), nxt_r, nxt_l
 
   def right_only(s, carry):
     acc, right = carry
-    nxt = recv_from(right, axis, n, +1)
+    nxt = recv_from(waiting_for(right, acc), axis, n, +1)
     return consume(acc, right, at(s)), nxt
 
   start = 1
@@ -146,8 +152,9 @@ def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n:
       return consume_pair(acc, right, at(n_left), left, at(-n_left))
     dim = halves_dim(shard) if n_right == n_left + 1 else None
     if dim is not None:  # the opposite block, idx + n_right: one half from each side
-      first = recv_from(jnp.split(right, 2, dim)[0], axis, n, +1)
-      second = recv_from(jnp.split(left, 2, dim)[1], axis, n, -1)
+      r_, l_ = waiting_for((right, left), acc)
+      first = recv_from(jnp.split(r_, 2, dim)[0], axis, n, +1)
+      second = recv_from(jnp.split(l_, 2, dim)[1], axis, n, -1)
       acc = consume_pair(acc, right, at(n_left), left, at(-n_left))
       return consume(acc, jnp.concatenate([first, second], dim), at(n_right))
     nxt = recv_from(right, axis, n, +1)  # block n_left + 1; no more from the left

@@ -830,6 +830,31 @@ def test_reduce_scatter_contributions_wait_for_the_accumulator_sent_beside_them(
   assert all(any(s in w for w in waits) for s in sent)  # every accumulator has its einsum
 
 
+@pytest.mark.parametrize('pattern', [PATTERNS[0], PATTERNS[2]], ids=['free', 'contracting'])
+def test_all_gather_blocks_are_passed_on_after_the_previous_einsum(pattern):
+  # Every block a bidirectional all-gather ring passes on (all but the first round's, this
+  # device's own shard) is held back (an optimization barrier) until the previous round's
+  # einsum has written the accumulator, so each round's einsum overlaps the next transfer.
+  eq, ls, rs, os_, _ = pattern
+  mesh = _mesh(8, 1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
+  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                     out_spec=os_, mode='bidirectional')
+  eqns = list(_eqns(jax.make_jaxpr(f)(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).jaxpr))
+  held = {o for e in eqns if e.primitive.name == 'optimization_barrier' for o in e.outvars}
+  made = {}  # what produced each variable
+  for e in eqns:
+    made.update({o: e for o in e.outvars})
+  def from_held(v):  # the block itself, or a half of it
+    while v not in held and v in made and made[v].primitive.name in ('split', 'slice'):
+      v = made[v].invars[0]
+    return v in held
+  sent = [v for e in eqns if e.primitive.name == 'ppermute' for v in e.invars]
+  # on a ring of 8: the own shard both ways, the loop's round (one body in the jaxpr) and
+  # the opposite block in halves
+  assert [from_held(v) for v in sent] == [False, False] + [True] * 4
+
+
 @pytest.mark.parametrize('pattern', [PATTERNS[0], PATTERNS[3]], ids=['allgather', 'reducescatter'])
 def test_weight_gradient_ring_in_another_mode_matches_einsum(pattern):
   # A unidirectional forward whose weight gradient rings bidirectionally over the same
