@@ -808,17 +808,22 @@ def _eqns(jaxpr):
       yield from _eqns(sub)
 
 
+def _ring_jaxpr(pattern, mode: str):
+  """The jaxpr of ``pattern``'s einsum decomposed over a ring of 8 in ``mode``."""
+  eq, ls, rs, os_, _ = pattern
+  mesh = _mesh(8, 1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
+  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                     out_spec=os_, mode=mode)
+  return jax.make_jaxpr(f)(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).jaxpr
+
+
 @pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
 def test_reduce_scatter_contributions_wait_for_the_accumulator_sent_beside_them(mode):
   # Each step's einsum takes an operand held back (an optimization barrier) until the
   # accumulator that step sends exists, so the compiler computes it while that
   # accumulator travels, not all of them before the first transfer.
-  eq, ls, rs, os_, _ = PATTERNS[3]
-  mesh = _mesh(8, 1)
-  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
-  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                     out_spec=os_, mode=mode)
-  eqns = list(_eqns(jax.make_jaxpr(f)(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).jaxpr))
+  eqns = list(_eqns(_ring_jaxpr(PATTERNS[3], mode)))
   sent = [v for e in eqns if e.primitive.name == 'ppermute' for v in e.invars]
   held = {}  # barrier output -> its inputs
   for e in eqns:
@@ -835,12 +840,7 @@ def test_all_gather_blocks_are_passed_on_after_the_previous_einsum(pattern):
   # Every block a bidirectional all-gather ring passes on (all but the first round's, this
   # device's own shard) is held back (an optimization barrier) until the previous round's
   # einsum has written the accumulator, so each round's einsum overlaps the next transfer.
-  eq, ls, rs, os_, _ = pattern
-  mesh = _mesh(8, 1)
-  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
-  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                     out_spec=os_, mode='bidirectional')
-  eqns = list(_eqns(jax.make_jaxpr(f)(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).jaxpr))
+  eqns = list(_eqns(_ring_jaxpr(pattern, 'bidirectional')))
   held = {o for e in eqns if e.primitive.name == 'optimization_barrier' for o in e.outvars}
   made = {}  # what produced each variable
   for e in eqns:
@@ -880,12 +880,7 @@ def test_even_bidirectional_ring_sends_the_opposite_block_in_halves(pattern):
   # On a ring of 8 one device is 4 hops away either way: its block (all-gather) or its
   # accumulator (reduce-scatter) travels as two halves, one each way, so both directions
   # carry 3.5 blocks in 4 transfers (not 4 blocks one way and 3 the other).
-  eq, ls, rs, os_, _ = pattern
-  mesh = _mesh(8, 1)
-  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdf', 2))
-  f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                     out_spec=os_, mode='bidirectional')
-  jaxpr = jax.make_jaxpr(f)(jnp.ones(lhs_shape), jnp.ones(rhs_shape)).jaxpr
+  jaxpr = _ring_jaxpr(pattern, 'bidirectional')
   sizes = {+1: [], -1: []}  # by the direction data moves: to the next device or back
   # (the permutes traced: a loop's body once)
   for e in _eqns(jaxpr):
