@@ -75,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.warmup_steps = 2000
   c.optimizer.weight_decay = 0.1
   # AdamW's first moment in bf16 (MaxText's mu_dtype; DeepSeek-V3 keeps both moments in
-  # bf16): 0.9 GiB per chip less, the room the ring settings below need (ours 7.867 s at
+  # bf16): 0.9 GiB per chip less, the room the ring settings below need (ours 7.808 s at
   # 30.63 GiB of 30.75; with fp32 moments 31.2 GiB, which does not fit). The second moment
   # and the master weights stay fp32. The optimizer's update with it: tests/test_trainer.py.
   c.optimizer.mu_dtype = 'bfloat16'
@@ -99,7 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
   # unembedding's small ring left plain (0.32 GiB), and each weight-gradient ring's
   # activation operand laid out for its blocks where it is made (the compiler copied it
   # whole once a layer: 0.11 s a step). Modeled, v4: ours 7.998 s with one ring step an
-  # iteration and fp32 moments, 7.867 s with these (docs/paper_scale.md, Recent changes).
+  # iteration and fp32 moments, 7.867 s with these, 7.808 s since the all-gather rings
+  # pass each block on after the previous round's einsum (docs/paper_scale.md, Recent
+  # changes).
   c.parallelism.unroll = 2
   c.parallelism.plain_layers = 'unembed'
   c.parallelism.block_layout = 'contiguous'

@@ -44,7 +44,8 @@ LAYOUTS = {
                   'parallelism.gradient_rings': 'any_forward'},
     # v4's casts in the scan, two layers an iteration, sharded gradient accumulators and
     # bf16 first moment are for v4's memory; this layout was searched and measured without
-    # them (its ring settings, v4's too: ours 9.001 -> 8.819 s, modeled)
+    # them (its ring settings, v4's too: ours 9.001 -> 8.819 s, modeled; 8.871 s since the
+    # all-gather rings wait for each round's einsum)
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
                    'model.cast_in_loop': False, 'parallelism.gradient_accumulators': 'any',
                    'optimizer.mu_dtype': 'param'},
