@@ -25,8 +25,7 @@ from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
 from parallelism import moe
 from parallelism.collective_einsum import (BLOCK_LAYOUTS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS,
-                                          RING_DTYPES,
-                                          explain, run_decision, unroll_problem)
+                                          RING_DTYPES, explain, run_decision, unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
