@@ -194,11 +194,13 @@ def halves_dim(x: jax.Array) -> int | None:
 def waiting_for(x, token):
   """``x``, as a value the compiler cannot compute before ``token`` exists.
 
-  A reduce-scatter ring's contributions depend on nothing in flight, so the TPU
-  compiler's scheduler computed them all at the start of the ring, leaving its last
-  transfers nothing to overlap (dense_64b: the backward gate/up rings' exposure was
-  0.155 s a step, 0.127 s with the wait; modeled). Given the accumulator sent beside
-  it, each contribution is computed while that accumulator travels.
+  Orders a ring's work against its transfers where the TPU compiler's scheduler would
+  not. A reduce-scatter ring's contributions depend on nothing in flight, so the
+  scheduler computed them all at the start of the ring, leaving its last transfers
+  nothing to overlap (dense_64b: the backward gate/up rings' exposure was 0.155 s a
+  step, 0.127 s with the wait; modeled): given the accumulator sent beside it, each
+  contribution is computed while that accumulator travels. An all-gather ring passes a
+  block on only after the previous round's einsum (``all_gather_einsum``).
   """
   return jax.lax.optimization_barrier((x, token))[0]
 
