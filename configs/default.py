@@ -77,6 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.b2 = 0.95               # AdamW beta2
   c.optimizer.eps = 1e-8              # AdamW epsilon
   c.optimizer.mu_dtype = 'param'      # AdamW's first moment: param (weights' dtype) | bfloat16
+  c.optimizer.nu_dtype = 'param'      # AdamW's second moment: param | bfloat16
   c.optimizer.weight_decay = 0.1      # decoupled, on matrices only
   c.optimizer.grad_clip = 1.0         # global-norm clip (0 disables)
   c.optimizer.grad_accum_steps = 1    # microbatches per step
@@ -139,6 +140,15 @@ def get_config() -> ml_collections.ConfigDict:
   # minor dimension it copies the operand whole first) | contiguous (laid out for the blocks
   # where they are made; pays on some layouts only: configs/dense_500b.py).
   c.parallelism.block_layout = 'compiler'
+  # A forward reduce-scatter ring's own block: fused (the compiler may fuse its einsum with
+  # the last additions, which then wait for the last transfer) | apart (computed while the
+  # last accumulators travel; the next norm's sums become a pass of their own).
+  c.parallelism.last_contribution = 'fused'
+  # A weight gradient ringed over another axis whose operand the compiler gathers over the
+  # forward's axis: beside (the gather shares the links with the data gradient's ring) |
+  # before (gathered before that ring where it is bidirectional; holds the gathered operand
+  # longer). Both 'apart' and 'before' pay on some layouts only: configs/dense_500b.py.
+  c.parallelism.weight_gradient_gather = 'beside'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

@@ -30,7 +30,7 @@ surviving layout in rank order with its estimates, to choose how many to compile
 Memory estimate per chip (bytes): parameters with AdamW moments and the
 gradient, ``14 N / (fsdp x tensor)`` in bf16 compute (the layers' gradients stay bf16
 until the optimizer, ``models.ops.weight``; the embeddings' are fp32, 2 bytes more each;
-``2 N`` less with a bfloat16 first moment; ``4 N`` more for the accumulated gradient
+``2 N`` less for each moment in bfloat16; ``4 N`` more for the accumulated gradient
 with ``optimizer.grad_accum_steps`` above 1);
 saved activations, per layer and per token of a model-parallel group's microbatch
 (``batch / (data x fsdp x grad_accum_steps)`` sequences: the step scans the
@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from models import attention
 from models.transformer import count_params
 from parallelism import hardware, step_model
-from trainer import metrics, validation
+from trainer import metrics, optim, validation
 from trainer.state import abstract_model
 
 
@@ -178,17 +178,17 @@ def attention_keys(model_cfg, seq_len: int) -> int:
 
 
 def memory_estimate(model_cfg, params: int, layout: Layout, seq_len: int,
-                    mu_bytes: int = 4, accum_steps: int = 1) -> float:
+                    mu_bytes: int = 4, accum_steps: int = 1, nu_bytes: int = 4) -> float:
   """Bytes per chip (the module docstring's formula; an estimate, not the compiler's)."""
   m, t = model_cfg, layout.tensor
   shards = layout.fsdp * t
   embeddings = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
-  # fp32 weights and second moment, the first moment, and the gradient: the layers' in
+  # fp32 weights, the two moments, and the gradient: the layers' in
   # the compute dtype until the optimizer reads it (models.ops.weight; fp32 with
   # model.grads_in_param_dtype), the embeddings' in fp32
   layer_grad = 4 if m.grads_in_param_dtype else jnp.dtype(m.dtype).itemsize
   grads = layer_grad * (params - embeddings) + 4 * embeddings
-  state = ((8 + mu_bytes + (4 if accum_steps > 1 else 0)) * params + grads) / shards
+  state = ((4 + mu_bytes + nu_bytes + (4 if accum_steps > 1 else 0)) * params + grads) / shards
   # Per microbatch: the step scans ``accum_steps`` of them (trainer/step.py).
   seqs = layout.batch_size / (layout.data * layout.fsdp) / accum_steps
   tokens = seqs * seq_len
@@ -287,8 +287,9 @@ def candidates(cfg, chips: int, profile, progress=print,
       continue
     model_cfg = trial.transformer()
     estimate = memory_estimate(model_cfg, n, layout, cfg.seq_len,
-                               2 if cfg.optimizer.mu_dtype == 'bfloat16' else 4,
-                               cfg.optimizer.grad_accum_steps)
+                               optim.moment_bytes(cfg.optimizer.mu_dtype),
+                               cfg.optimizer.grad_accum_steps,
+                               optim.moment_bytes(cfg.optimizer.nu_dtype))
     if estimate > profile.usable_hbm_bytes * (1 + ESTIMATE_MARGIN):
       progress(f'  skip {layout}: estimated {estimate / 2**30:.1f} GiB per chip > '
                f'{profile.usable_hbm_bytes / 2**30:.2f} usable + {ESTIMATE_MARGIN:.0%} '

@@ -45,6 +45,12 @@ GRADIENT_RINGS = ('ringed_forward', 'any_forward')
 # chooses, or with each block contiguous where the ring slices the minor dimension
 # (``contiguous_blocks``).
 BLOCK_LAYOUTS = ('compiler', 'contiguous')
+# A forward reduce-scatter ring's own contribution (``parallelism.last_contribution``): as
+# the compiler fuses it, or computed apart while the last accumulators travel (``ring._last``).
+LAST_CONTRIBUTIONS = ('fused', 'apart')
+# Where a weight gradient ringed over another axis gets its operand gathered over the
+# forward's axis (``parallelism.weight_gradient_gather``, ``_gathered_first``).
+WEIGHT_GRADIENT_GATHERS = ('beside', 'before')
 # The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
 WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
@@ -419,10 +425,15 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
 
 def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_spec,
                  unroll: int = 1, ring_dtype: str = 'compute',
-                 block_layout: str = 'compiler') -> jax.Array:
+                 block_layout: str = 'compiler', last_contribution: str = 'fused',
+                 weight_gradient_gather: str = 'beside') -> jax.Array:
   """Computes the einsum as ``decision`` (from ``explain``) says."""
-  if block_layout not in BLOCK_LAYOUTS:
-    raise ValueError(f'block_layout={block_layout!r} is not one of {BLOCK_LAYOUTS}')
+  for key, value, allowed in (('block_layout', block_layout, BLOCK_LAYOUTS),
+                              ('last_contribution', last_contribution, LAST_CONTRIBUTIONS),
+                              ('weight_gradient_gather', weight_gradient_gather,
+                               WEIGHT_GRADIENT_GATHERS)):
+    if value not in allowed:
+      raise ValueError(f'{key}={value!r} is not one of {allowed}')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
@@ -432,7 +443,8 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
     cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
                   decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
-                  decision.backward, decision.backward_over, block_layout == 'contiguous')
+                  decision.backward, decision.backward_over, block_layout == 'contiguous',
+                  last_contribution == 'apart', weight_gradient_gather == 'before')
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 
@@ -470,6 +482,8 @@ class _Static:
   backward: tuple[str, str] = ('ring', 'ring')  # Decision.backward
   backward_over: tuple = (None, None)  # Decision.backward_over
   contiguous: bool = False  # block_layout='contiguous': blocks of sliced operands contiguous
+  last_apart: bool = False  # last_contribution='apart' (the forward's rings only)
+  gather_first: bool = False  # weight_gradient_gather='before'
 
   def transposed(self, which: str) -> '_Static':
     """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs'), over the
@@ -485,7 +499,7 @@ class _Static:
                                                            self.rhs_spec)
     return dataclasses.replace(self, equation=equation, lhs_spec=specs[0],
                                rhs_spec=specs[1], out_spec=specs[2], axis=axis,
-                               bidirectional=mode == 'bidirectional')
+                               bidirectional=mode == 'bidirectional', last_apart=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -517,9 +531,30 @@ def _decomposed_bwd(cfg, residuals, g):
     # attn.o and mlp.down: 31.69 GiB per chip, 29.88 with the compiler's gather).
     d_lhs, g = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, keep_gathered=True)
   else:
+    if cfg.gather_first:
+      lhs, g = _gathered_first(cfg, lhs, g)
     d_lhs = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, cfg.backward[0])
   d_rhs = _transpose_einsum(cfg.transposed('rhs'), lhs, g, rhs.dtype, cfg.backward[1])
   return d_lhs, d_rhs
+
+
+def _gathered_first(cfg: _Static, lhs, g):
+  """``lhs`` as the weight gradient's ring over another axis takes it, gathered over the
+  forward's axis by the compiler, and ``g`` held back until it is (``ring.waiting_for``):
+  where the data gradient's ring over the forward's axis is bidirectional, its transfers
+  fill both directions of the links that gather runs on, and beside it one queued behind
+  the other (dense_500b's ``attn.qkv``: 0.060 s a step exposed, 0.020 s with the gather
+  first; modeled, docs/paper_scale.md). Else both as they were."""
+  w, d = cfg.transposed('rhs'), cfg.transposed('lhs')
+  if cfg.backward != ('ring', 'ring') or w.axis in (None, cfg.axis) or not d.bidirectional:
+    return lhs, g
+  spec, _ = hoisted_specs(Equation.parse(w.equation), w.axis, w.lhs_spec, w.rhs_spec,
+                          w.out_spec)
+  if cfg.axis not in {a for e in spec for a in einsum_plan.axes_of(e)} and cfg.axis in {
+      a for e in cfg.lhs_spec for a in einsum_plan.axes_of(e)}:
+    lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, spec))
+    g = ring.waiting_for(g, lhs)
+  return lhs, g
 
 
 def keeps_cotangent(eq: Equation, axis: str, specs, mesh) -> bool:
@@ -575,6 +610,7 @@ class _Ring:
   reduce_dtype: Any       # what the reduction over ``summed`` carries
   keep: bool = False      # an all-gather ring also returns the operand it gathered, whole
   contiguous: bool = False  # contiguous_blocks on the operands the rings slice
+  last_apart: bool = False  # a reduce-scatter ring's own contribution kept out of the fusions
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
@@ -625,7 +661,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   # on CPU they are reduced in fp32.
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
-            _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous)
+            _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
+            cfg.last_apart)
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -784,7 +821,8 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
     return jnp.einsum(str(eq), *args, preferred_element_type=wire)
 
   return ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
-                                    unroll=r.unroll, pair_axis=eq.out.index(z)).astype(r.dtype)
+                                    unroll=r.unroll, pair_axis=eq.out.index(z),
+                                    last_apart=r.last_apart).astype(r.dtype)
 
 
 def _all_gather_local(r: _Ring, idx, lhs, rhs):

@@ -216,13 +216,14 @@ def _unfused(x: jax.Array) -> jax.Array:
 
 def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
                           split: tuple[int, int], unroll: int = 1,
-                          pair_axis: int | None = None) -> jax.Array:
+                          pair_axis: int | None = None, last_apart: bool = False) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k, after=acc)`` is this device's contribution to output block k, not
   computed before ``acc`` exists (``waiting_for``; ``after=None``: whenever).
   Accumulators travel the ring and each device adds its contribution as one passes;
   each contribution waits for the accumulator sent beside it, never for a transfer.
+  With ``last_apart`` so does this device's own block's (``_last``).
   Accumulators travel, and rest between steps, in the dtype ``partial`` returns
   (bf16 for a bf16 model: half the bytes on the wire and in HBM); every
   addition runs in fp32 (at least) and rounds once. A bidirectional step
@@ -262,7 +263,7 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     acc_l = sum_rounded(mine_l, widen(recv_from(half_l, axis, n, +1), size))
     acc_r, acc_l = _loop(2, n_right, _both_steps(partial_pair, at, axis, n, n_right, n_right),
                          (acc_r, acc_l), unroll)
-    return _last(partial, idx, axis, n, acc_r, acc_l)
+    return _last(partial, idx, axis, n, acc_r, acc_l, last_apart)
   if n_left:  # accumulators that move right (n_right hops) and left (n_left hops)
     acc_r, acc_l = partial_pair(at(n_right), at(-n_left))
     acc_r, acc_l = _loop(1, n_left, _both_steps(partial_pair, at, axis, n, n_right, n_left),
@@ -270,7 +271,7 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   else:
     acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
-  return _last(partial, idx, axis, n, acc_r, acc_l if n_left else None)
+  return _last(partial, idx, axis, n, acc_r, acc_l if n_left else None, last_apart)
 
 
 def _both_steps(partial_pair, at, axis: str, n: int, right: int, left: int):
@@ -285,10 +286,18 @@ def _both_steps(partial_pair, at, axis: str, n: int, right: int, left: int):
   return both
 
 
-def _last(partial, idx, axis: str, n: int, acc_r, acc_l):
-  """This device's own block: the arriving accumulators and its own contribution."""
+def _last(partial, idx, axis: str, n: int, acc_r, acc_l, apart: bool = False):
+  """This device's own block: the arriving accumulators and its own contribution.
+
+  The compiler fuses that contribution's einsum with the additions (and with what
+  follows the ring, such as the next RMSNorm's sums) into one pass that waits for the
+  last transfers. ``apart`` keeps it out (``_unfused``), computed while they travel
+  (dense_500b's ``attn.o`` and ``mlp.down``: 0.032 s a step less exposed, 0.016 s more
+  compute; modeled, docs/paper_scale.md).
+  """
   sent = (acc_r, acc_l) if acc_l is not None else acc_r
-  last = [recv_from(acc_r, axis, n, -1), partial(idx, after=sent)]
+  mine = partial(idx, after=sent)
+  last = [recv_from(acc_r, axis, n, -1), _unfused(mine) if apart else mine]
   if acc_l is not None:
     last.append(recv_from(acc_l, axis, n, +1))
   return sum_rounded(*last)

@@ -24,8 +24,9 @@ from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
 from parallelism import moe
-from parallelism.collective_einsum import (BLOCK_LAYOUTS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS,
-                                          RING_DTYPES, explain, run_decision, unroll_problem)
+from parallelism.collective_einsum import (
+    BLOCK_LAYOUTS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS, LAST_CONTRIBUTIONS, RING_DTYPES,
+    WEIGHT_GRADIENT_GATHERS, explain, run_decision, unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -132,6 +133,8 @@ class MatmulPolicy:
   gradient_rings: str = 'ringed_forward'  # ringed_forward | any_forward (GRADIENT_RINGS)
   plain_layers: tuple[str, ...] = ()    # layer path patterns that stay plain (fnmatch)
   block_layout: str = 'compiler'        # compiler | contiguous (BLOCK_LAYOUTS)
+  last_contribution: str = 'fused'      # fused | apart (LAST_CONTRIBUTIONS)
+  weight_gradient_gather: str = 'beside'  # beside | before (WEIGHT_GRADIENT_GATHERS)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
@@ -139,13 +142,16 @@ class MatmulPolicy:
     p = cfg.parallelism
     plain = tuple(s.strip() for s in p.plain_layers.split(',')) if p.plain_layers else ()
     return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
-               p.gradient_accumulators, p.gradient_rings, plain, p.block_layout)
+               p.gradient_accumulators, p.gradient_rings, plain, p.block_layout,
+               p.last_contribution, p.weight_gradient_gather)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
                'direction': ('unidirectional', 'bidirectional'),
                'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS,
-               'gradient_rings': GRADIENT_RINGS, 'block_layout': BLOCK_LAYOUTS}
+               'gradient_rings': GRADIENT_RINGS, 'block_layout': BLOCK_LAYOUTS,
+               'last_contribution': LAST_CONTRIBUTIONS,
+               'weight_gradient_gather': WEIGHT_GRADIENT_GATHERS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -234,7 +240,9 @@ class ShardedOps(Ops):
       out = run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
                          rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
                          ring_dtype=self.policy.ring_dtype,
-                         block_layout=self.policy.block_layout)
+                         block_layout=self.policy.block_layout,
+                         last_contribution=self.policy.last_contribution,
+                         weight_gradient_gather=self.policy.weight_gradient_gather)
     return saved(out, save_as, save_parts if decision.mode != 'none' else None)
 
   def local(self, fn, *args, in_axes, out_axes):

@@ -211,9 +211,9 @@ def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
 def test_search_grid_prunes_by_checks_and_memory():
   from launch import search  # pylint: disable=import-outside-toplevel
   from trainer import config as config_lib  # pylint: disable=import-outside-toplevel
-  # with fp32 AdamW moments (the config keeps the first in bf16)
-  cfg = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'),
-                        ['--config.optimizer.mu_dtype=param'])
+  fp32 = ['--config.optimizer.mu_dtype=param', '--config.optimizer.nu_dtype=param']
+  # with fp32 AdamW moments (the config keeps both in bf16)
+  cfg = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'), fp32)
   profile, chips = aot.parse_topology('v4:8x8x16')
   grid = search.grid(cfg, chips)
   assert all(l.data * l.fsdp * l.tensor == chips and l.tensor <= 16 for l in grid)
@@ -239,14 +239,17 @@ def test_search_grid_prunes_by_checks_and_memory():
   assert all(l.tensor not in (2, 4) and l.data not in (2, 4) for l, _, _ in on_slice)
   assert any('cannot lay out' in s for s in skipped)
   assert search.assignable((4, 32, 1), (4, 4, 8)) and not search.assignable((2, 64, 1), (4, 4, 8))
-  # A bfloat16 first moment (optimizer.mu_dtype) saves 2 bytes a parameter per shard.
+  # Each AdamW moment in bfloat16 (optimizer.mu_dtype, nu_dtype) saves 2 bytes a parameter
+  # per shard.
   layout, estimate, _ = kept[0]
   n = search.count_params(search.abstract_model(cfg.transformer()).params)
-  bf16 = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'),
-                         ['--config.optimizer.mu_dtype=bfloat16'])
-  [(_, smaller)] = [(l, e) for l, e, _ in search.candidates(bf16, chips, profile, skipped.append)
-                    if l == layout]
-  assert estimate - smaller == pytest.approx(2 * n / (layout.fsdp * layout.tensor))
+  for moments in (['mu_dtype'], ['nu_dtype'], ['mu_dtype', 'nu_dtype']):
+    bf16 = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'),
+                           fp32 + [f'--config.optimizer.{m}=bfloat16' for m in moments])
+    [(_, smaller)] = [(l, e) for l, e, _ in search.candidates(bf16, chips, profile,
+                                                              skipped.append) if l == layout]
+    assert estimate - smaller == pytest.approx(2 * len(moments) * n /
+                                               (layout.fsdp * layout.tensor))
   # The 64B's grid around 256 sequences (128 to 512) compiles to 59-63% modeled MFU at
   # fsdp=64 x tensor=8 and to 42-51% with no tensor axis (docs/paper_scale.md): the ranking
   # must put a tensor axis first, which it did not while it left the gradients'

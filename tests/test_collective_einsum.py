@@ -737,6 +737,41 @@ def test_contiguous_blocks_lay_out_what_the_weight_gradient_ring_slices():
                  block_layout='tiled')
 
 
+UP = ('btd,df->btf', P(B, T, None), P(F, T), P(B, None, T))  # mlp.up, sequence-parallel input
+
+
+@pytest.mark.parametrize('option, default, value, pattern', [
+    ('last_contribution', 'fused', 'apart', DOWN),
+    ('weight_gradient_gather', 'beside', 'before', UP)])
+def test_ring_schedule_options_add_a_wait_and_keep_the_values(option, default, value,
+                                                               pattern):
+  # last_contribution='apart': the forward reduce-scatter ring's own contribution goes
+  # through an optimization barrier, out of the final additions' fusion (the gradients'
+  # rings are as they were). weight_gradient_gather='before': the cotangent waits for the
+  # weight gradient's operand, gathered over tensor for its ring over fsdp, before the
+  # data gradient's bidirectional ring over tensor. Values and gradients unchanged.
+  mesh = _mesh(2, data=1)
+  eq, ls, rs, os_ = pattern
+  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 8))
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='bidirectional')
+  d = dataclasses.replace(d, backward_over=(None, (F, 'bidirectional')))
+  assert d.axis == T and d.mode == 'bidirectional'
+  barriers = {}
+  for choice in (default, value):
+    f = lambda x, w, c=choice: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                            out_spec=os_, **{option: c})
+    _assert_gradients_match_einsum(f, eq, x, w)
+    loss = lambda x, w, f=f: jnp.sum(f(x, w) * weights(f(x, w).shape))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
+    barriers[choice] = sum(e.primitive.name == 'optimization_barrier' for e in _eqns(jaxpr))
+  assert barriers[value] > barriers[default]
+  with pytest.raises(ValueError, match=f"{option}='late'"):
+    run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+                 **{option: 'late'})
+
+
 def test_operands_gathered_along_their_minor_dim_come_first():
   # mlp.down's weight [f, d] is gathered over fsdp along d, its minor dim: the ring takes
   # it as [d, f] (transposed as a local shard, before the gather). Its weight gradient's

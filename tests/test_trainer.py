@@ -115,24 +115,36 @@ def test_flops_per_token_formula():
   assert metrics.flops_per_token(cfg, seq_len=7) == 6 * n + 6 * 2 * 7 * 2 * 3
 
 
-def test_bfloat16_first_moment_halves_it_and_stays_close_to_float32():
-  """optimizer.mu_dtype='bfloat16': AdamW's mu in bf16 (nu and the weights fp32)."""
+def _adam_runs(key: str):
+  """12 steps of a tiny model under AdamW with ``optimizer.<key>`` param, then bfloat16:
+  {value: (losses, the AdamW state, params)}."""
   runs = {}
-  for mu_dtype in ('param', 'bfloat16'):
-    tx, _ = optim.make_optimizer(Optimizer(**OPT | {'mu_dtype': mu_dtype}), 20)
+  for value in ('param', 'bfloat16'):
+    tx, _ = optim.make_optimizer(Optimizer(**OPT | {key: value}), 20)
     graphdef, state, batch = _tiny(tx)
     step, losses = jax.jit(make_train_step(graphdef, tx, 0.0, 1)), []
     for _ in range(12):
       state, m = step(state, batch)
       losses.append(float(m['loss']))
-    adam = state.opt_state[1][0]
-    runs[mu_dtype] = (losses, adam.mu, adam.nu, state.params)
-  (ref, mu32, _, _), (got, mu16, nu16, p16) = runs['param'], runs['bfloat16']
-  assert {x.dtype for x in jax.tree.leaves(mu32)} == {jnp.dtype('float32')}
-  assert {x.dtype for x in jax.tree.leaves(mu16)} == {jnp.dtype('bfloat16')}
-  assert {x.dtype for x in jax.tree.leaves(nu16) + jax.tree.leaves(p16)} == {
-      jnp.dtype('float32')}
-  assert ref[-1] < ref[0] - 0.5  # it learns, and bf16's first moment learns alike
+    runs[value] = (losses, state.opt_state[1][0], state.params)
+  return runs
+
+
+def _dtypes(*trees):
+  return {x.dtype for t in trees for x in jax.tree.leaves(t)}
+
+
+@pytest.mark.parametrize('key, moment', [('mu_dtype', 'mu'), ('nu_dtype', 'nu')])
+def test_a_bfloat16_moment_halves_it_and_stays_close_to_float32(key, moment):
+  """optimizer.mu_dtype or nu_dtype 'bfloat16': that AdamW moment is kept in bf16 (the
+  other and the weights fp32), and training follows the fp32 run closely."""
+  runs = _adam_runs(key)
+  (ref, adam32, _), (got, adam16, p16) = runs['param'], runs['bfloat16']
+  other = 'nu' if moment == 'mu' else 'mu'
+  assert _dtypes(getattr(adam32, moment)) == {jnp.dtype('float32')}
+  assert _dtypes(getattr(adam16, moment)) == {jnp.dtype('bfloat16')}
+  assert _dtypes(getattr(adam16, other), p16) == {jnp.dtype('float32')}
+  assert ref[-1] < ref[0] - 0.5  # it learns, and the bf16 moment learns alike
   np.testing.assert_allclose(got, ref, rtol=1e-2)  # 0.3% apart after 12 steps here
   assert not np.allclose(got[1:], ref[1:], rtol=0, atol=0)  # the option is not a no-op
 

@@ -131,7 +131,10 @@ class Optimizer:
   eps: float = _key(1e-8, 'AdamW epsilon')
   mu_dtype: str = _key('param', "AdamW's first moment: param (the master weights' dtype) | "
                                 "float32 | bfloat16 (half of float32's memory, as MaxText's "
-                                'mu_dtype; the second moment keeps the weights\' dtype)')
+                                'mu_dtype)')
+  nu_dtype: str = _key('param', "AdamW's second moment: param | float32 | bfloat16 (kept "
+                                'in it between steps, updated in fp32; DeepSeek-V3 keeps both '
+                                'moments in bf16)')
   weight_decay: float = _key(0.1, 'decoupled weight decay, matrices only')
   grad_clip: float = _key(1.0, 'global-norm clipping (0 disables)')
   grad_accum_steps: int = _key(1, 'microbatches averaged per update')
@@ -217,6 +220,17 @@ class Parallelism:
                                        'along its minor dimension whole, to make blocks '
                                        'contiguous) | contiguous (laid out so where it is '
                                        'made: no copy)')
+  last_contribution: str = _key('fused', "a forward reduce-scatter ring's own block: fused "
+                                         "(the compiler may fuse its einsum with the last "
+                                         'additions and what follows, which then wait for '
+                                         'the last transfer) | apart (computed while the '
+                                         'last accumulators travel)')
+  weight_gradient_gather: str = _key('beside', 'a weight gradient ringed over another axis '
+                                               "whose operand the compiler gathers over the "
+                                               "forward's axis: beside (the gather runs beside "
+                                               "the data gradient's ring, on its links) | "
+                                               'before (before that ring where it is '
+                                               'bidirectional)')
 
 
 @dataclasses.dataclass(frozen=True)

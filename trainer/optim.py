@@ -13,7 +13,7 @@ from models.transformer import LAYERS
 from trainer.config import Optimizer
 
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd', 'rsqrt')
-MU_DTYPES = ('param', 'float32', 'bfloat16')  # AdamW's first moment
+MOMENT_DTYPES = ('param', 'float32', 'bfloat16')  # AdamW's moments (mu_dtype, nu_dtype)
 
 
 def learning_rate_schedule(opt_cfg: Optimizer, steps: int) -> optax.Schedule:
@@ -77,7 +77,34 @@ def make_optimizer(opt_cfg: Optimizer,
   if opt_cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(opt_cfg.grad_clip))
   mu_dtype = None if opt_cfg.mu_dtype == 'param' else jnp.dtype(opt_cfg.mu_dtype)
-  parts.append(optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
-                           mu_dtype=mu_dtype, weight_decay=opt_cfg.weight_decay,
-                           mask=decay_mask))
+  adamw = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
+                      mu_dtype=mu_dtype, weight_decay=opt_cfg.weight_decay, mask=decay_mask)
+  if opt_cfg.nu_dtype != 'param':
+    adamw = second_moment_in(jnp.dtype(opt_cfg.nu_dtype), adamw)
+  parts.append(adamw)
   return optax.chain(*parts), schedule
+
+
+def moment_bytes(dtype: str) -> int:
+  """Bytes a parameter of one AdamW moment in ``dtype`` (MOMENT_DTYPES; param: fp32)."""
+  return 2 if dtype == 'bfloat16' else 4
+
+
+def second_moment_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``inner`` (an AdamW) with its second moment kept in ``dtype`` between steps.
+
+  optax's AdamW takes a dtype for its first moment only. Here each update reads the
+  second moment into fp32, updates it with ``inner``'s arithmetic and rounds it once to
+  ``dtype`` (DeepSeek-V3 keeps both moments in bf16).
+  """
+  is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)
+
+  def cast(state, to):
+    as_to = lambda s: s._replace(nu=jax.tree.map(lambda x: x.astype(to), s.nu))
+    return jax.tree.map(lambda s: as_to(s) if is_adam(s) else s, state, is_leaf=is_adam)
+
+  def update(updates, state, params=None):
+    updates, state = inner.update(updates, cast(state, jnp.float32), params)
+    return updates, cast(state, dtype)
+
+  return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)

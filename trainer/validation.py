@@ -105,9 +105,10 @@ def _check_optimizer(opt) -> None:
     if not (math.isfinite(getattr(opt, key)) and getattr(opt, key) >= 0):
       raise ValueError(f'optimizer.{key}={getattr(opt, key)} must be finite and >= 0 '
                        f'{"(0: off)" if key != "weight_decay" else ""}'.rstrip())
-  if opt.mu_dtype not in optim.MU_DTYPES:
-    raise ValueError(f'optimizer.mu_dtype={opt.mu_dtype!r} is not one of '
-                     f'{", ".join(optim.MU_DTYPES)}')
+  for key in ('mu_dtype', 'nu_dtype'):
+    if getattr(opt, key) not in optim.MOMENT_DTYPES:
+      raise ValueError(f'optimizer.{key}={getattr(opt, key)!r} is not one of '
+                       f'{", ".join(optim.MOMENT_DTYPES)}')
 
 
 def _check_checkpoint(ckpt) -> None:
