@@ -48,11 +48,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.cast_in_loop = False     # dense_500b's casts in the scan are for its layout
   c.parallelism.gradient_accumulators = 'any'  # dense_500b's 'sharded' is for its memory
   c.parallelism.unroll = 1
-  # dense_500b's first moment, ring steps, plain unembedding and block layout are for its
+  # dense_500b's bf16 moments, ring steps, block layout and ring schedule are for its
   # memory and layout
   c.optimizer.mu_dtype = 'param'
-  c.parallelism.plain_layers = ''
+  c.optimizer.nu_dtype = 'param'
   c.parallelism.block_layout = 'compiler'
+  c.parallelism.last_contribution = 'fused'
+  c.parallelism.weight_gradient_gather = 'beside'
   c.hardware.xla_flags = 'default'  # the chip's flags only (not the 500B's ICI pipelining)
   c.aot.topology = 'v4:4x4x8'      # the slice launch.aot compiles for (--topology overrides)
   return c

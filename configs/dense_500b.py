@@ -74,11 +74,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.learning_rate = 1e-4
   c.optimizer.warmup_steps = 2000
   c.optimizer.weight_decay = 0.1
-  # AdamW's first moment in bf16 (MaxText's mu_dtype; DeepSeek-V3 keeps both moments in
-  # bf16): 0.9 GiB per chip less, the room the ring settings below need (ours 7.808 s at
-  # 30.63 GiB of 30.75; with fp32 moments 31.2 GiB, which does not fit). The second moment
-  # and the master weights stay fp32. The optimizer's update with it: tests/test_trainer.py.
+  # Both AdamW moments in bf16 (MaxText's mu_dtype, and optimizer.nu_dtype; DeepSeek-V3
+  # keeps both moments in bf16), each 0.9 GiB per chip less: the room the ring settings
+  # below need (with fp32 moments they need 31.2 GiB of the 30.75; with the first moment
+  # in bf16 alone 30.96 GiB since the last two). The master weights stay fp32. The
+  # optimizer's update with them: tests/test_trainer.py.
   c.optimizer.mu_dtype = 'bfloat16'
+  c.optimizer.nu_dtype = 'bfloat16'
 
   c.data.path = 'synthetic'        # point at real tokens (.npy/.bin) to train
 
@@ -95,16 +97,19 @@ def get_config() -> ml_collections.ConfigDict:
   # compiler's reduce-scatter (the attention's did, under 'any': 31.09 GiB per chip here,
   # which does not fit; docs/paper_scale.md).
   c.parallelism.gradient_accumulators = 'sharded'
-  # Two ring steps per loop iteration (the loop's block copies and some additions go), the
-  # unembedding's small ring left plain (0.32 GiB), and each weight-gradient ring's
-  # activation operand laid out for its blocks where it is made (the compiler copied it
-  # whole once a layer: 0.11 s a step). Modeled, v4: ours 7.998 s with one ring step an
-  # iteration and fp32 moments, 7.867 s with these, 7.808 s since the all-gather rings
-  # pass each block on after the previous round's einsum (docs/paper_scale.md, Recent
-  # changes).
+  # Two ring steps per loop iteration (the loop's block copies and some additions go), each
+  # weight-gradient ring's activation operand laid out for its blocks where it is made (the
+  # compiler copied it whole once a layer: 0.11 s a step), the forward reduce-scatter
+  # rings' own contributions computed while their last accumulators travel, and attn.qkv's
+  # weight-gradient operand gathered before its data gradient's ring (the two had queued
+  # on the tensor links: 0.060 s a step exposed). Modeled, v4: ours 7.998 s with one ring
+  # step an iteration and fp32 moments; 7.808 s with the first two (and the unembedding
+  # plain, for memory); 7.756 s with the last two and a bf16 second moment; 7.755 s with
+  # the unembedding ringed again (docs/paper_scale.md, Recent changes).
   c.parallelism.unroll = 2
-  c.parallelism.plain_layers = 'unembed'
   c.parallelism.block_layout = 'contiguous'
+  c.parallelism.last_contribution = 'apart'
+  c.parallelism.weight_gradient_gather = 'before'
 
   c.hardware.name = 'tpu_v4'
   # The chip's flags (MaxText's), then XLA's pipelining of a scanned layer's all-gathers

@@ -78,11 +78,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Four ring steps per loop iteration: a ring of 8 has every bidirectional round in one
   # iteration (modeled, ours 3.504 s at 30.12 GiB; 2: 3.536 s; 1: 3.620 s; 8: as 4).
   c.parallelism.unroll = 4
-  # dense_500b's first moment, ring steps, plain unembedding and block layout are for its
+  # dense_500b's bf16 moments, ring steps, block layout and ring schedule are for its
   # memory and layout
   c.optimizer.mu_dtype = 'param'
-  c.parallelism.plain_layers = ''
+  c.optimizer.nu_dtype = 'param'
   c.parallelism.block_layout = 'compiler'
+  c.parallelism.last_contribution = 'fused'
+  c.parallelism.weight_gradient_gather = 'beside'
   # The chip's flags only: the 500B's ICI pipelining leaves every variant's step unchanged.
   c.hardware.xla_flags = 'default'
 

@@ -48,7 +48,7 @@ LAYOUTS = {
     # all-gather rings wait for each round's einsum)
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
                    'model.cast_in_loop': False, 'parallelism.gradient_accumulators': 'any',
-                   'optimizer.mu_dtype': 'param'},
+                   'optimizer.mu_dtype': 'param', 'optimizer.nu_dtype': 'param'},
     'moe_1t': {'batch_size': 2048, 'model.remat': 'minimal',
                'hardware.xla_flags': ALL_REDUCE_FLAGS},
 }
