@@ -138,7 +138,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.gradient_rings = 'ringed_forward'
   # How operands the rings slice are laid out: compiler (its choice; where a ring slices the
   # minor dimension it copies the operand whole first) | contiguous (laid out for the blocks
-  # where they are made; pays on some layouts only: configs/dense_500b.py).
+  # where they are made, and reduce-scatter rings' activation accumulators kept as their
+  # einsums write them; pays on some layouts only: configs/dense_500b.py).
   c.parallelism.block_layout = 'compiler'
   # A forward reduce-scatter ring's own block: fused (the compiler may fuse its einsum with
   # the last additions, which then wait for the last transfer) | apart (computed while the

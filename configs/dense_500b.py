@@ -99,13 +99,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.gradient_accumulators = 'sharded'
   # Two ring steps per loop iteration (the loop's block copies and some additions go), each
   # weight-gradient ring's activation operand laid out for its blocks where it is made (the
-  # compiler copied it whole once a layer: 0.11 s a step), the forward reduce-scatter
+  # compiler copied it whole once a layer: 0.11 s a step; and since, the reduce-scatter
+  # rings' activation accumulators as their einsums write them), the forward reduce-scatter
   # rings' own contributions computed while their last accumulators travel, and attn.qkv's
   # weight-gradient operand gathered before its data gradient's ring (the two had queued
   # on the tensor links: 0.060 s a step exposed). Modeled, v4: ours 7.998 s with one ring
   # step an iteration and fp32 moments; 7.808 s with the first two (and the unembedding
   # plain, for memory); 7.756 s with the last two and a bf16 second moment; 7.755 s with
-  # the unembedding ringed again (docs/paper_scale.md, Recent changes).
+  # the unembedding ringed again; 7.746 s with the accumulators' layout (docs/paper_scale.md,
+  # Recent changes).
   c.parallelism.unroll = 2
   c.parallelism.block_layout = 'contiguous'
   c.parallelism.last_contribution = 'apart'

@@ -43,7 +43,8 @@ GRADIENT_ACCUMULATORS = ('any', 'sharded')
 GRADIENT_RINGS = ('ringed_forward', 'any_forward')
 # How a ring's sliced operand is laid out (``parallelism.block_layout``): as the compiler
 # chooses, or with each block contiguous where the ring slices the minor dimension
-# (``contiguous_blocks``).
+# (``contiguous_blocks``), and the accumulators of reduce-scatter rings with activation
+# outputs as their einsums write them (``default_layout``).
 BLOCK_LAYOUTS = ('compiler', 'contiguous')
 # A forward reduce-scatter ring's own contribution (``parallelism.last_contribution``): as
 # the compiler fuses it, or computed apart while the last accumulators travel (``ring._last``).
@@ -484,6 +485,7 @@ class _Static:
   contiguous: bool = False  # block_layout='contiguous': blocks of sliced operands contiguous
   last_apart: bool = False  # last_contribution='apart' (the forward's rings only)
   gather_first: bool = False  # weight_gradient_gather='before'
+  activation_out: bool = True  # the output is an activation (not a weight's gradient)
 
   def transposed(self, which: str) -> '_Static':
     """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs'), over the
@@ -499,7 +501,8 @@ class _Static:
                                                            self.rhs_spec)
     return dataclasses.replace(self, equation=equation, lhs_spec=specs[0],
                                rhs_spec=specs[1], out_spec=specs[2], axis=axis,
-                               bidirectional=mode == 'bidirectional', last_apart=False)
+                               bidirectional=mode == 'bidirectional', last_apart=False,
+                               activation_out=which == 'lhs')
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -611,6 +614,7 @@ class _Ring:
   keep: bool = False      # an all-gather ring also returns the operand it gathered, whole
   contiguous: bool = False  # contiguous_blocks on the operands the rings slice
   last_apart: bool = False  # a reduce-scatter ring's own contribution kept out of the fusions
+  row_major: bool = False  # a reduce-scatter ring's accumulators in the default layout
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
@@ -662,7 +666,7 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
-            cfg.last_apart)
+            cfg.last_apart, cfg.contiguous and cfg.activation_out)
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -822,7 +826,9 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
 
   return ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
                                     unroll=r.unroll, pair_axis=eq.out.index(z),
-                                    last_apart=r.last_apart).astype(r.dtype)
+                                    last_apart=r.last_apart,
+                                    laid_out=default_layout if r.row_major else lambda x: x
+                                    ).astype(r.dtype)
 
 
 def _all_gather_local(r: _Ring, idx, lhs, rhs):
@@ -906,6 +912,18 @@ def contiguous_blocks(x: jax.Array, dim: int) -> jax.Array:
     return x
   order = tuple(range(x.ndim - 2)) + (x.ndim - 1, x.ndim - 2)
   return layout.with_layout_constraint(x, layout.Layout(major_to_minor=order))
+
+
+def default_layout(x: jax.Array) -> jax.Array:
+  """``x`` in the default layout, its last dimension minor, as an einsum writes it.
+
+  Under ``block_layout='contiguous'`` a reduce-scatter ring's accumulators of an
+  activation ([b, t, d]) are pinned so: the compiler had laid them out as the weight
+  gradient's operand of that shape is pinned (``contiguous_blocks``: d before t) and copied
+  every step's product into that layout (dense_500b: 0.021 s a step of copies, 0.009 s off
+  the step without them; modeled, docs/paper_scale.md).
+  """
+  return layout.with_layout_constraint(x, layout.Layout(major_to_minor=tuple(range(x.ndim))))
 
 
 def _keeping(consume, consume_pair, dim, m, contiguous: bool = False):

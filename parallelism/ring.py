@@ -216,14 +216,16 @@ def _unfused(x: jax.Array) -> jax.Array:
 
 def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
                           split: tuple[int, int], unroll: int = 1,
-                          pair_axis: int | None = None, last_apart: bool = False) -> jax.Array:
+                          pair_axis: int | None = None, last_apart: bool = False,
+                          laid_out: Callable = lambda x: x) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k, after=acc)`` is this device's contribution to output block k, not
   computed before ``acc`` exists (``waiting_for``; ``after=None``: whenever).
   Accumulators travel the ring and each device adds its contribution as one passes;
   each contribution waits for the accumulator sent beside it, never for a transfer.
-  With ``last_apart`` so does this device's own block's (``_last``).
+  With ``last_apart`` so does this device's own block's (``_last``). ``laid_out`` is
+  applied to every accumulator as it is made (a layout constraint).
   Accumulators travel, and rest between steps, in the dtype ``partial`` returns
   (bf16 for a bf16 model: half the bytes on the wire and in HBM); every
   addition runs in fp32 (at least) and rounds once. A bidirectional step
@@ -240,12 +242,12 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
 
   n_right, n_left = split
   at = lambda s: (idx + s) % n
+  add = lambda *xs: laid_out(sum_rounded(*xs))
   if n == 1:
     return partial(idx)
 
   def step_r(s, acc_r):
-    return sum_rounded(recv_from(acc_r, axis, n, -1),
-                       _unfused(partial(at(n_right - s), after=acc_r)))
+    return add(recv_from(acc_r, axis, n, -1), _unfused(partial(at(n_right - s), after=acc_r)))
 
   # An even ring: the opposite block's contribution leaves in halves, one each way; both
   # accumulators then make n_right hops.
@@ -259,35 +261,36 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     size = half_r.shape[dim]
     widen = lambda x, lo: jnp.pad(x, [(lo, size - lo) if d == dim else (0, 0)
                                       for d in range(x.ndim)])
-    acc_r = sum_rounded(mine_r, widen(recv_from(half_r, axis, n, -1), 0))
-    acc_l = sum_rounded(mine_l, widen(recv_from(half_l, axis, n, +1), size))
-    acc_r, acc_l = _loop(2, n_right, _both_steps(partial_pair, at, axis, n, n_right, n_right),
-                         (acc_r, acc_l), unroll)
-    return _last(partial, idx, axis, n, acc_r, acc_l, last_apart)
+    acc_r = add(mine_r, widen(recv_from(half_r, axis, n, -1), 0))
+    acc_l = add(mine_l, widen(recv_from(half_l, axis, n, +1), size))
+    acc_r, acc_l = _loop(2, n_right, _both_steps(partial_pair, at, axis, n, n_right, n_right,
+                                                 add), (acc_r, acc_l), unroll)
+    return _last(partial, idx, axis, n, acc_r, acc_l, last_apart, add)
   if n_left:  # accumulators that move right (n_right hops) and left (n_left hops)
     acc_r, acc_l = partial_pair(at(n_right), at(-n_left))
-    acc_r, acc_l = _loop(1, n_left, _both_steps(partial_pair, at, axis, n, n_right, n_left),
-                         (acc_r, acc_l), unroll)
+    acc_r, acc_l = _loop(1, n_left, _both_steps(partial_pair, at, axis, n, n_right, n_left,
+                                                add), (acc_r, acc_l), unroll)
   else:
     acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
-  return _last(partial, idx, axis, n, acc_r, acc_l if n_left else None, last_apart)
+  return _last(partial, idx, axis, n, acc_r, acc_l if n_left else None, last_apart, add)
 
 
-def _both_steps(partial_pair, at, axis: str, n: int, right: int, left: int):
+def _both_steps(partial_pair, at, axis: str, n: int, right: int, left: int, add):
   """A bidirectional round ``s``: the right-moving accumulator of block ``right - s`` and
   the left-moving one of block ``s - left`` arrive and take this device's contributions,
-  computed while they travel."""
+  computed while they travel; ``add`` sums each pair."""
   def both(s, carry):
     acc_r, acc_l = carry
     mine_r, mine_l = partial_pair(at(right - s), at(s - left), _unfused, after=(acc_r, acc_l))
-    return (sum_rounded(recv_from(acc_r, axis, n, -1), mine_r),
-            sum_rounded(recv_from(acc_l, axis, n, +1), mine_l))
+    return (add(recv_from(acc_r, axis, n, -1), mine_r),
+            add(recv_from(acc_l, axis, n, +1), mine_l))
   return both
 
 
-def _last(partial, idx, axis: str, n: int, acc_r, acc_l, apart: bool = False):
-  """This device's own block: the arriving accumulators and its own contribution.
+def _last(partial, idx, axis: str, n: int, acc_r, acc_l, apart: bool, add):
+  """This device's own block: the arriving accumulators and its own contribution, summed
+  by ``add``.
 
   The compiler fuses that contribution's einsum with the additions (and with what
   follows the ring, such as the next RMSNorm's sums) into one pass that waits for the
@@ -300,7 +303,7 @@ def _last(partial, idx, axis: str, n: int, acc_r, acc_l, apart: bool = False):
   last = [recv_from(acc_r, axis, n, -1), _unfused(mine) if apart else mine]
   if acc_l is not None:
     last.append(recv_from(acc_l, axis, n, +1))
-  return sum_rounded(*last)
+  return add(*last)
 
 
 def sum_rounded(*xs: jax.Array) -> jax.Array:

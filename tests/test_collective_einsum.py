@@ -716,7 +716,8 @@ def test_contiguous_blocks_lay_out_what_the_weight_gradient_ring_slices():
   # mlp.down's weight gradient rings over fsdp, slicing the cotangent [b, t, d] along d, its
   # minor dim; the data gradient's ring over tensor keeps that cotangent for it. Under
   # block_layout='contiguous' both are laid out with d second-minor ({1,2,0}: each block
-  # contiguous, no copy of the whole by the compiler), with the same values and gradients.
+  # contiguous, no copy of the whole by the compiler), and the forward reduce-scatter ring's
+  # accumulators (an activation) in the default layout, with the same values and gradients.
   mesh = _mesh(2, data=1)
   eq, ls, rs, os_ = DOWN
   x = jax.random.normal(jax.random.key(0), (8, 4, 16))
@@ -731,6 +732,8 @@ def test_contiguous_blocks_lay_out_what_the_weight_gradient_ring_slices():
     loss = lambda x, w: jnp.sum(f(x, w) * weights((8, 4, 8)))
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w)
     assert ('LayoutConstraint' in lowered.as_text()) == pinned
+    # the forward slices no minor dim: its only constraints are the accumulators'
+    assert ('LayoutConstraint' in jax.jit(f).lower(x, w).as_text()) == pinned
     assert bool(re.search(r'f32\[\d+,\d+,8\]\{1,2,0\}', lowered.compile().as_text())) == pinned
   with pytest.raises(ValueError, match="block_layout='tiled'"):
     run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,

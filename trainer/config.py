@@ -219,7 +219,8 @@ class Parallelism:
                                        "compiler's choice; it copies an operand sliced "
                                        'along its minor dimension whole, to make blocks '
                                        'contiguous) | contiguous (laid out so where it is '
-                                       'made: no copy)')
+                                       "made: no copy; and reduce-scatter rings' activation "
+                                       'accumulators as their einsums write them)')
   last_contribution: str = _key('fused', "a forward reduce-scatter ring's own block: fused "
                                          "(the compiler may fuse its einsum with the last "
                                          'additions and what follows, which then wait for '
