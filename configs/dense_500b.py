@@ -64,7 +64,8 @@ def get_config() -> ml_collections.ConfigDict:
   # layout before, remat 'save_dot_except_qkv' with one layer per iteration and the
   # compiler's casts: ours 8.254 s, baseline 9.446 s, slower for every variant
   # (docs/paper_scale.md). The layout search ranks this layout first (its memory estimate,
-  # 31.3 GiB, is within the search's margin; launch/search.py).
+  # 29.5 GiB with the bf16 moments below, 31.3 GiB with fp32 ones, within the search's
+  # margin; launch/search.py).
   c.model.remat = 'minimal'
   c.model.scan_unroll = 2
   c.model.cast_in_loop = True
