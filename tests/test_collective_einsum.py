@@ -712,19 +712,26 @@ def test_weight_gradient_ring_over_fsdp_matches_einsum(mode, forward):
     assert any(re.match(r'(reduce.scatter|all.reduce)', n) for n in over) == reduced, over
 
 
+def _weight_gradient_over_fsdp(pattern):
+  """(mesh, x [8, 4, 16], w [16, 8], decision) for ``pattern`` on tensor=2 x fsdp=4: the
+  einsum a bidirectional ring over tensor, its weight gradient a ring over fsdp."""
+  mesh = _mesh(2, data=1)
+  eq, ls, rs, os_ = pattern
+  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 8))
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='bidirectional')
+  return mesh, x, w, dataclasses.replace(d, backward_over=(None, (F, 'bidirectional')))
+
+
 def test_contiguous_blocks_lay_out_what_the_weight_gradient_ring_slices():
   # mlp.down's weight gradient rings over fsdp, slicing the cotangent [b, t, d] along d, its
   # minor dim; the data gradient's ring over tensor keeps that cotangent for it. Under
   # block_layout='contiguous' both are laid out with d second-minor ({1,2,0}: each block
   # contiguous, no copy of the whole by the compiler), and the forward reduce-scatter ring's
   # accumulators (an activation) in the default layout, with the same values and gradients.
-  mesh = _mesh(2, data=1)
   eq, ls, rs, os_ = DOWN
-  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
-  w = jax.random.normal(jax.random.key(1), (16, 8))
-  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-              out_spec=os_, mode='bidirectional')
-  d = dataclasses.replace(d, backward_over=(None, (F, 'bidirectional')))
+  mesh, x, w, d = _weight_gradient_over_fsdp(DOWN)
   for block_layout, pinned in (('compiler', False), ('contiguous', True)):
     f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
                                   out_spec=os_, block_layout=block_layout)
@@ -753,13 +760,8 @@ def test_ring_schedule_options_add_a_wait_and_keep_the_values(option, default, v
   # rings are as they were). weight_gradient_gather='before': the cotangent waits for the
   # weight gradient's operand, gathered over tensor for its ring over fsdp, before the
   # data gradient's bidirectional ring over tensor. Values and gradients unchanged.
-  mesh = _mesh(2, data=1)
   eq, ls, rs, os_ = pattern
-  x = jax.random.normal(jax.random.key(0), (8, 4, 16))
-  w = jax.random.normal(jax.random.key(1), (16, 8))
-  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-              out_spec=os_, mode='bidirectional')
-  d = dataclasses.replace(d, backward_over=(None, (F, 'bidirectional')))
+  mesh, x, w, d = _weight_gradient_over_fsdp(pattern)
   assert d.axis == T and d.mode == 'bidirectional'
   barriers = {}
   for choice in (default, value):
