@@ -3,12 +3,14 @@ r"""A ~500B-parameter dense decoder (Llama-style) on 1024 TPU v4 chips.
 496.3B parameters: 100 scanned blocks, d_model 20480, 160 query heads of 128
 over 16 key/value heads, SwiGLU 65536, vocabulary 32768, untied embeddings.
 Mesh fsdp=128 x tensor=8 on a v4:8x8x16 slice, global batch 256 x 2048
-tokens, bf16 compute over fp32 master weights, AdamW's first moment in bf16 and
-its second in fp32, remat minimal (every projection's output kept), two layers
+tokens, bf16 compute over fp32 master weights, both AdamW moments in bf16,
+remat minimal (every projection's output kept), two layers
 per scan iteration with each layer's weights cast inside the scan, every weight
 gradient ringed over fsdp (``parallelism.gradient_accumulators='sharded'``),
-two ring steps per loop iteration, the rings' sliced operands laid out for
-their blocks (``parallelism.block_layout``), splash attention,
+two ring steps per loop iteration, the rings' sliced operands and accumulators
+laid out for them (``parallelism.block_layout``), the forward rings' own
+contributions apart (``parallelism.last_contribution``), attn.qkv's weight-gradient
+input gathered first (``parallelism.weight_gradient_gather``), splash attention,
 fused q/k/v and gate/up projections, XLA's collective pipelining over ICI on top of
 the chip's flags (``hardware.xla_flags``).
 The paper (Wang et al., ASPLOS 2023) reports 72% of peak FLOPS for a 500B
@@ -60,7 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
   # and each layer's weights cast inside the scan (no bf16 copy of all layers' weights).
   # Fits with the weight-gradient rings of parallelism.gradient_accumulators='sharded'
   # (below): 30.74 GiB per chip of 30.75 (modeled, ours 8.017 s, baseline 9.016 s, before
-  # the ring settings and bf16 first moment below). The
+  # the ring settings and bf16 moments below). The
   # layout before, remat 'save_dot_except_qkv' with one layer per iteration and the
   # compiler's casts: ours 8.254 s, baseline 9.446 s, slower for every variant
   # (docs/paper_scale.md). The layout search ranks this layout first (its memory estimate,
