@@ -34,8 +34,18 @@ def _losses(workdir):
 @pytest.mark.parametrize('layout', [[], ['--config.model.scan_layers=true',
                                          '--config.model.remat=minimal'],
                                     ['--config.mesh.data=1', '--config.mesh.fsdp=2',
-                                     '--config.model.fused_projections=true']],
-                         ids=['layers', 'scanned+remat', 'fsdp+tensor+fused'])
+                                     '--config.model.fused_projections=true'],
+                                    # the 500B's ring settings, on bidirectional rings
+                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2',
+                                     '--config.model.fused_projections=true',
+                                     '--config.model.scan_layers=true',
+                                     '--config.model.remat=minimal',
+                                     '--config.parallelism.direction=bidirectional',
+                                     '--config.parallelism.unroll=2',
+                                     '--config.parallelism.block_layout=contiguous',
+                                     '--config.parallelism.last_contribution=apart',
+                                     '--config.parallelism.weight_gradient_gather=before']],
+                         ids=['layers', 'scanned+remat', 'fsdp+tensor+fused', 'ring-settings'])
 def test_always_trains_like_never(tmp_path, layout):
   steps = 20 if not layout else 5
   common = [f'--config.steps={steps}', '--config.log_every=1', '--config.eval_every=0', *layout]
@@ -48,7 +58,7 @@ def test_always_trains_like_never(tmp_path, layout):
   np.testing.assert_allclose(losses['always'], losses['never'], rtol=1e-4)
   with open(tmp_path / 'always' / 'parallelism_report.json') as f:
     rows = json.load(f)['layers']
-  decomposed = {r['path'] for r in rows if r['decision'] == 'unidirectional'}
+  decomposed = {r['path'] for r in rows if r['decision'] in ('unidirectional', 'bidirectional')}
   prefix = 'blocks.*' if '--config.model.scan_layers=true' in layout else 'blocks.1'
   names = (('mlp.gate_up', 'attn.qkv') if '--config.model.fused_projections=true' in layout
            else ('mlp.gate', 'attn.q'))
