@@ -287,9 +287,9 @@ def candidates(cfg, chips: int, profile, progress=print,
       continue
     model_cfg = trial.transformer()
     estimate = memory_estimate(model_cfg, n, layout, cfg.seq_len,
-                               optim.moment_bytes(cfg.optimizer.mu_dtype),
-                               cfg.optimizer.grad_accum_steps,
-                               optim.moment_bytes(cfg.optimizer.nu_dtype))
+                               mu_bytes=optim.moment_bytes(cfg.optimizer.mu_dtype),
+                               nu_bytes=optim.moment_bytes(cfg.optimizer.nu_dtype),
+                               accum_steps=cfg.optimizer.grad_accum_steps)
     if estimate > profile.usable_hbm_bytes * (1 + ESTIMATE_MARGIN):
       progress(f'  skip {layout}: estimated {estimate / 2**30:.1f} GiB per chip > '
                f'{profile.usable_hbm_bytes / 2**30:.2f} usable + {ESTIMATE_MARGIN:.0%} '

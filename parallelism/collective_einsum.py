@@ -824,11 +824,11 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
     args = (piece, other) if on_lhs else (other, piece)
     return jnp.einsum(str(eq), *args, preferred_element_type=wire)
 
-  return ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
-                                    unroll=r.unroll, pair_axis=eq.out.index(z),
-                                    last_apart=r.last_apart,
-                                    laid_out=default_layout if r.row_major else lambda x: x
-                                    ).astype(r.dtype)
+  laid_out = default_layout if r.row_major else lambda x: x
+  out = ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
+                                   unroll=r.unroll, pair_axis=eq.out.index(z),
+                                   last_apart=r.last_apart, laid_out=laid_out)
+  return out.astype(r.dtype)
 
 
 def _all_gather_local(r: _Ring, idx, lhs, rhs):
