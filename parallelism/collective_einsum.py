@@ -553,8 +553,8 @@ def _gathered_first(cfg: _Static, lhs, g):
     return lhs, g
   spec, _ = hoisted_specs(Equation.parse(w.equation), w.axis, w.lhs_spec, w.rhs_spec,
                           w.out_spec)
-  if cfg.axis not in {a for e in spec for a in einsum_plan.axes_of(e)} and cfg.axis in {
-      a for e in cfg.lhs_spec for a in einsum_plan.axes_of(e)}:
+  over_axis = lambda s: cfg.axis in {a for e in s for a in einsum_plan.axes_of(e)}
+  if over_axis(cfg.lhs_spec) and not over_axis(spec):  # the compiler gathers it
     lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, spec))
     g = ring.waiting_for(g, lhs)
   return lhs, g
