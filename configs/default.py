@@ -150,6 +150,12 @@ def get_config() -> ml_collections.ConfigDict:
   # before (gathered before that ring where it is bidirectional; holds the gathered operand
   # longer). Both 'apart' and 'before' pay on some layouts only: configs/dense_500b.py.
   c.parallelism.weight_gradient_gather = 'beside'
+  # A unidirectional reduce-scatter ring's additions of partial sums: apart (a pass of
+  # their own after each step's einsum) | fused (into the einsums: the accumulator travels
+  # in two halves, each transfer overlapping the other half's einsum; the einsums read
+  # the unsliced operand by halves, which the compiler may copy). Bidirectional rings keep
+  # them apart (docs/paper_scale.md).
+  c.parallelism.ring_additions = 'apart'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

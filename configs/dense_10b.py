@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.block_layout = 'compiler'
   c.parallelism.last_contribution = 'fused'
   c.parallelism.weight_gradient_gather = 'beside'
+  c.parallelism.ring_additions = 'apart'
   c.hardware.xla_flags = 'default'  # the chip's flags only (not the 500B's ICI pipelining)
   c.aot.topology = 'v4:4x4x8'      # the slice launch.aot compiles for (--topology overrides)
   return c

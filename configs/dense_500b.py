@@ -110,11 +110,14 @@ def get_config() -> ml_collections.ConfigDict:
   # step an iteration and fp32 moments; 7.808 s with the first two (and the unembedding
   # plain, for memory); 7.756 s with the last two and a bf16 second moment; 7.755 s with
   # the unembedding ringed again; 7.746 s with the accumulators' layout (docs/paper_scale.md,
-  # Recent changes).
+  # Recent changes). The unidirectional reduce-scatter rings (mlp.down's forward, gate/up's
+  # data gradient) add their partial sums inside their einsums, in two halves that take
+  # turns: 0.063 s a step of additions go.
   c.parallelism.unroll = 2
   c.parallelism.block_layout = 'contiguous'
   c.parallelism.last_contribution = 'apart'
   c.parallelism.weight_gradient_gather = 'before'
+  c.parallelism.ring_additions = 'fused'
 
   c.hardware.name = 'tpu_v4'
   # The chip's flags (MaxText's), then XLA's pipelining of a scanned layer's all-gathers

@@ -49,6 +49,11 @@ BLOCK_LAYOUTS = ('compiler', 'contiguous')
 # A forward reduce-scatter ring's own contribution (``parallelism.last_contribution``): as
 # the compiler fuses it, or computed apart while the last accumulators travel (``ring._last``).
 LAST_CONTRIBUTIONS = ('fused', 'apart')
+# A unidirectional reduce-scatter ring's additions of partial sums
+# (``parallelism.ring_additions``): a pass of their own after each step's einsum, or fused
+# into the einsums, the accumulator travelling in two halves that take turns
+# (``ring._one_way_in_halves``).
+RING_ADDITIONS = ('apart', 'fused')
 # Where a weight gradient ringed over another axis gets its operand gathered over the
 # forward's axis (``parallelism.weight_gradient_gather``, ``_gathered_first``).
 WEIGHT_GRADIENT_GATHERS = ('beside', 'before')
@@ -427,12 +432,14 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
 def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_spec,
                  unroll: int = 1, ring_dtype: str = 'compute',
                  block_layout: str = 'compiler', last_contribution: str = 'fused',
-                 weight_gradient_gather: str = 'beside') -> jax.Array:
+                 weight_gradient_gather: str = 'beside',
+                 ring_additions: str = 'apart') -> jax.Array:
   """Computes the einsum as ``decision`` (from ``explain``) says."""
   for key, value, allowed in (('block_layout', block_layout, BLOCK_LAYOUTS),
                               ('last_contribution', last_contribution, LAST_CONTRIBUTIONS),
                               ('weight_gradient_gather', weight_gradient_gather,
-                               WEIGHT_GRADIENT_GATHERS)):
+                               WEIGHT_GRADIENT_GATHERS),
+                              ('ring_additions', ring_additions, RING_ADDITIONS)):
     if value not in allowed:
       raise ValueError(f'{key}={value!r} is not one of {allowed}')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
@@ -445,7 +452,8 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                   PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
                   decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
                   decision.backward, decision.backward_over, block_layout == 'contiguous',
-                  last_contribution == 'apart', weight_gradient_gather == 'before')
+                  last_contribution == 'apart', weight_gradient_gather == 'before',
+                  fused_additions=ring_additions == 'fused')
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 
@@ -485,6 +493,7 @@ class _Static:
   contiguous: bool = False  # block_layout='contiguous': blocks of sliced operands contiguous
   last_apart: bool = False  # last_contribution='apart' (the forward's rings only)
   gather_first: bool = False  # weight_gradient_gather='before'
+  fused_additions: bool = False  # ring_additions='fused' (unidirectional reduce-scatters)
   activation_out: bool = True  # the output is an activation (not a weight's gradient)
 
   def transposed(self, which: str) -> '_Static':
@@ -615,6 +624,7 @@ class _Ring:
   contiguous: bool = False  # contiguous_blocks on the operands the rings slice
   last_apart: bool = False  # a reduce-scatter ring's own contribution kept out of the fusions
   row_major: bool = False  # a reduce-scatter ring's accumulators in the default layout
+  fused_additions: bool = False  # a unidirectional one's, in halves fused into its einsums
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
@@ -666,7 +676,7 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
-            cfg.last_apart, cfg.contiguous and cfg.activation_out)
+            cfg.last_apart, cfg.contiguous and cfg.activation_out, cfg.fused_additions)
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -812,23 +822,38 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   # Partial sums leave the MXU (fp32 inside) in the wire dtype, travel and wait in it.
   wire = r.wire
 
-  def partial(*ks, after=None):  # one einsum for the output blocks ks, joined along z
+  other, other_letters = (rhs, eq.rhs) if on_lhs else (lhs, eq.lhs)
+  halved = _halved_letter(eq, z, other_letters, other.shape) if r.fused_additions else None
+
+  def partial(*ks, after=None, half=None):  # one einsum for the output blocks ks, joined along z
     piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
                              for k in ks], axis=dim)
     # The wait is on the operand that is not sliced (a weight, already whole): on the
     # sliced one, whatever produces it would be written out whole first (64B: the
-    # SwiGLU's gradient, joined from gate's and up's, a pass of its own).
-    other = rhs if on_lhs else lhs
-    if after is not None:
-      other = ring.waiting_for(other, after)
-    args = (piece, other) if on_lhs else (other, piece)
-    return jnp.einsum(str(eq), *args, preferred_element_type=wire)
+    # SwiGLU's gradient, joined from gate's and up's, a pass of its own). Halved after
+    # it, the halves are read where the einsum reads them, not copied out of the loop.
+    operand = other if after is None else ring.waiting_for(other, after)
+    if half is not None:
+      operand = jnp.split(operand, 2, other_letters.index(halved))[half]
+    args = (piece, operand) if on_lhs else (operand, piece)
+    return jnp.einsum(str(eq), *args,
+                      preferred_element_type=wire if half is None else jnp.float32)
 
   laid_out = default_layout if r.row_major else lambda x: x
   out = ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
                                    unroll=r.unroll, pair_axis=eq.out.index(z),
-                                   last_apart=r.last_apart, laid_out=laid_out)
+                                   last_apart=r.last_apart, laid_out=laid_out,
+                                   halves_axis=None if halved is None or r.split[1]
+                                   else eq.out.index(halved))
   return out.astype(r.dtype)
+
+
+def _halved_letter(eq: Equation, z: str, letters: str, shape) -> str | None:
+  """The output dimension along which a reduce-scatter ring's accumulator travels in
+  halves (``ring._one_way_in_halves``): the largest of even size that the operand the ring
+  does not slice carries (so each half's einsum reads half of it), or None."""
+  even = [l for l in letters if l in eq.out and l != z and shape[letters.index(l)] % 2 == 0]
+  return max(even, key=lambda l: shape[letters.index(l)], default=None)
 
 
 def _all_gather_local(r: _Ring, idx, lhs, rhs):

@@ -217,7 +217,8 @@ def _unfused(x: jax.Array) -> jax.Array:
 def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Array,
                           split: tuple[int, int], unroll: int = 1,
                           pair_axis: int | None = None, last_apart: bool = False,
-                          laid_out: Callable = lambda x: x) -> jax.Array:
+                          laid_out: Callable = lambda x: x,
+                          halves_axis: int | None = None) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k, after=acc)`` is this device's contribution to output block k, not
@@ -231,7 +232,10 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   addition runs in fp32 (at least) and rounds once. A bidirectional step
   computes two contributions: with ``pair_axis``, ``partial(k1, k2)`` gives both
   from one einsum, concatenated along that dimension, else ``partial`` runs
-  twice.
+  twice. With ``halves_axis``, a unidirectional ring's accumulator travels as two
+  halves along that output dimension that take turns (``_one_way_in_halves``), and each
+  step's einsum adds its half's arriving accumulator as it writes: ``partial(k,
+  half=j)`` gives half ``j`` of the contribution, in fp32.
   """
   def partial_pair(k1, k2, barrier=lambda x: x, after=None):
     if pair_axis is None:
@@ -270,10 +274,44 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     acc_r, acc_l = partial_pair(at(n_right), at(-n_left))
     acc_r, acc_l = _loop(1, n_left, _both_steps(partial_pair, at, axis, n, n_right, n_left,
                                                 add), (acc_r, acc_l), unroll)
+  elif halves_axis is not None:
+    return _one_way_in_halves(partial, idx, at, axis, n, halves_axis, last_apart, unroll,
+                              add)
   else:
     acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
   return _last(partial, idx, axis, n, acc_r, acc_l if n_left else None, last_apart, add)
+
+
+def _one_way_in_halves(partial, idx, at, axis: str, n: int, dim: int, last_apart: bool,
+                       unroll, add):
+  """A unidirectional reduce-scatter ring whose accumulator travels as two halves along
+  output dimension ``dim``, one transfer apart.
+
+  Each round sends the first half's accumulator, computes the second half's step (its
+  einsum adding the second half's accumulator, which arrived the round before), sends
+  that, and computes the first half's step once its accumulator has arrived: each
+  transfer overlaps the other half's einsum, and no addition but the last (this device's
+  own block's, as ``_last``'s) is a pass of its own: apart, each reads and writes 6 bytes
+  an element in bf16 (dense_500b: 0.063 s a step; docs/paper_scale.md). Each einsum reads
+  half of the operand it does not slice, split where it waits (``partial``'s ``after``),
+  so that the compiler reads the halves in place rather than copying them out of the loop.
+  """
+  wire = jax.eval_shape(partial, idx).dtype
+  half = lambda k, j, after: partial(k, half=j, after=after)
+  recv = lambda x: recv_from(x, axis, n, -1)
+  second = half(at(n - 1), 1, None).astype(wire)
+  first = half(at(n - 1), 0, second).astype(wire)  # computed while the second travels
+
+  def step(s, carry):
+    sent, arrived = carry  # the first half's accumulator, sent now; the second's, here
+    nxt = recv(add(arrived, half(at(n - 1 - s), 1, carry)))
+    return add(recv(sent), half(at(n - 1 - s), 0, carry)), nxt
+
+  sent, arrived = _loop(1, n - 1, step, (first, recv(second)), unroll)
+  mine = partial(idx, after=sent)
+  joined = jnp.concatenate([recv(sent), arrived], dim)
+  return add(joined, _unfused(mine) if last_apart else mine)
 
 
 def _both_steps(partial_pair, at, axis: str, n: int, right: int, left: int, add):

@@ -25,8 +25,8 @@ from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
 from parallelism import moe
 from parallelism.collective_einsum import (
-    BLOCK_LAYOUTS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS, LAST_CONTRIBUTIONS, RING_DTYPES,
-    WEIGHT_GRADIENT_GATHERS, explain, run_decision, unroll_problem)
+    BLOCK_LAYOUTS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS, LAST_CONTRIBUTIONS, RING_ADDITIONS,
+    RING_DTYPES, WEIGHT_GRADIENT_GATHERS, explain, run_decision, unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -135,6 +135,7 @@ class MatmulPolicy:
   block_layout: str = 'compiler'        # compiler | contiguous (BLOCK_LAYOUTS)
   last_contribution: str = 'fused'      # fused | apart (LAST_CONTRIBUTIONS)
   weight_gradient_gather: str = 'beside'  # beside | before (WEIGHT_GRADIENT_GATHERS)
+  ring_additions: str = 'apart'         # apart | fused (RING_ADDITIONS)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
@@ -143,7 +144,7 @@ class MatmulPolicy:
     plain = tuple(s.strip() for s in p.plain_layers.split(',')) if p.plain_layers else ()
     return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
                p.gradient_accumulators, p.gradient_rings, plain, p.block_layout,
-               p.last_contribution, p.weight_gradient_gather)
+               p.last_contribution, p.weight_gradient_gather, p.ring_additions)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
@@ -151,7 +152,8 @@ class MatmulPolicy:
                'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS,
                'gradient_rings': GRADIENT_RINGS, 'block_layout': BLOCK_LAYOUTS,
                'last_contribution': LAST_CONTRIBUTIONS,
-               'weight_gradient_gather': WEIGHT_GRADIENT_GATHERS}
+               'weight_gradient_gather': WEIGHT_GRADIENT_GATHERS,
+               'ring_additions': RING_ADDITIONS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -242,7 +244,8 @@ class ShardedOps(Ops):
                          ring_dtype=self.policy.ring_dtype,
                          block_layout=self.policy.block_layout,
                          last_contribution=self.policy.last_contribution,
-                         weight_gradient_gather=self.policy.weight_gradient_gather)
+                         weight_gradient_gather=self.policy.weight_gradient_gather,
+                         ring_additions=self.policy.ring_additions)
     return saved(out, save_as, save_parts if decision.mode != 'none' else None)
 
   def local(self, fn, *args, in_axes, out_axes):

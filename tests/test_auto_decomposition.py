@@ -33,8 +33,11 @@ def _losses(workdir):
 
 @pytest.mark.parametrize('layout', [[], ['--config.model.scan_layers=true',
                                          '--config.model.remat=minimal'],
+                                    # unidirectional rings, reduce-scatters' additions
+                                    # fused in halves (the 500B's ring_additions)
                                     ['--config.mesh.data=1', '--config.mesh.fsdp=2',
-                                     '--config.model.fused_projections=true'],
+                                     '--config.model.fused_projections=true',
+                                     '--config.parallelism.ring_additions=fused'],
                                     # the 500B's ring settings, on bidirectional rings
                                     ['--config.mesh.data=1', '--config.mesh.fsdp=2',
                                      '--config.model.fused_projections=true',

@@ -60,6 +60,8 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
      "parallelism.last_contribution='late' is not one of ('fused', 'apart')"),
     (['--config.parallelism.weight_gradient_gather=after'],
      "parallelism.weight_gradient_gather='after' is not one of ('beside', 'before')"),
+    (['--config.parallelism.ring_additions=late'],
+     "parallelism.ring_additions='late' is not one of ('apart', 'fused')"),
     (['--config.parallelism.plain_layers=blocks.*.mlp.gate_up'],
      "parallelism.plain_layers: 'blocks.*.mlp.gate_up' matches no layer"),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),

@@ -986,6 +986,52 @@ def test_odd_rings_match_einsum(pattern, n):
     assert (len(sizes[+1]), len(sizes[-1])) in (want, want[::-1]), (mode, sizes)
 
 
+@pytest.mark.parametrize('n', [2, 3, 8])
+def test_fused_additions_send_each_accumulator_in_halves_and_keep_the_values(n):
+  # parallelism.ring_additions='fused': a unidirectional reduce-scatter ring (mlp.down,
+  # tensor-parallel) sends its accumulator as two halves along d, each step's einsum adding
+  # its half's arrival: twice the transfers, each half a block. Values and gradients as
+  # the plain einsum's. A bidirectional ring, or a d of odd size, keeps whole blocks.
+  eq, ls, rs, os_ = 'btf,fd->btd', P(None, None, T), P(T, None), P(None, T, None)
+  mesh = _ring_mesh(n)
+  x = jax.random.normal(jax.random.key(0), (2, 2 * n, 3 * n))
+  sizes = {}
+  for mode, d_size, choice in [('unidirectional', 4, 'apart'), ('unidirectional', 4, 'fused'),
+                               ('unidirectional', 3, 'fused'), ('bidirectional', 4, 'fused')]:
+    w = jax.random.normal(jax.random.key(1), (3 * n, d_size))
+    d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                out_spec=os_, mode=mode)
+    f = lambda x, w, d=d, c=choice: run_decision(d, x, w, mesh=mesh, lhs_spec=ls,
+                                                 rhs_spec=rs, out_spec=os_, ring_additions=c)
+    np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
+    _assert_gradients_match_einsum(f, eq, x, w)
+    sizes[mode, d_size, choice] = _permute_sizes(f, x, w, mesh=mesh)
+  block = 2 * 2 * 4 * 4  # [b, t / n, d] in fp32
+  ways = lambda s: sorted(s[+1] + s[-1])
+  assert ways(sizes['unidirectional', 4, 'apart']) == [block] * (n - 1)
+  assert ways(sizes['unidirectional', 4, 'fused']) == [block // 2] * (2 * (n - 1))
+  assert ways(sizes['unidirectional', 3, 'fused']) == [block * 3 // 4] * (n - 1)
+  if n > 2:  # (at n = 2 a bidirectional ring is the unidirectional one)
+    assert set(ways(sizes['bidirectional', 4, 'fused'])) <= {block, block // 2}, sizes
+    assert len(ways(sizes['bidirectional', 4, 'fused'])) < 2 * (n - 1), sizes
+
+
+def test_fused_additions_round_once_a_step_in_bf16():
+  # Each step's einsum adds the arriving bf16 accumulator in fp32 and rounds once, as the
+  # additions apart do: the error against fp32 stays that of bf16 rounding.
+  eq, ls, rs, os_, mesh, lhs, rhs = _bf16_down_projection()
+  ref = jnp.einsum(eq, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+  d = explain(eq, lhs.shape, rhs.shape, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='unidirectional')
+  errors = {c: _rel(jax.jit(lambda x, w, c=c: run_decision(
+      d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, ring_additions=c))(
+          lhs, rhs), ref) for c in ('apart', 'fused')}
+  assert errors['fused'] < 1.5e-2 and errors['fused'] < 1.5 * errors['apart'], errors
+  with pytest.raises(ValueError, match="ring_additions='late'"):
+    run_decision(d, lhs, rhs, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+                 ring_additions='late')
+
+
 @pytest.mark.parametrize('n', [4, 8])
 @pytest.mark.parametrize('pattern', [PATTERNS[2], PATTERNS[6]], ids=lambda p: p[0])
 def test_even_bidirectional_rings_match_einsum(pattern, n):

@@ -232,6 +232,11 @@ class Parallelism:
                                                "the data gradient's ring, on its links) | "
                                                'before (before that ring where it is '
                                                'bidirectional)')
+  ring_additions: str = _key('apart', "a unidirectional reduce-scatter ring's additions of "
+                                      'partial sums: apart (a pass after each einsum) | '
+                                      'fused (into the einsums: the accumulator travels in '
+                                      'two halves that take turns; where an output dimension '
+                                      'the unsliced operand carries has even size)')
 
 
 @dataclasses.dataclass(frozen=True)
