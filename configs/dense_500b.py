@@ -10,7 +10,8 @@ gradient ringed over fsdp (``parallelism.gradient_accumulators='sharded'``),
 two ring steps per loop iteration, the rings' sliced operands and accumulators
 laid out for them (``parallelism.block_layout``), the forward rings' own
 contributions apart (``parallelism.last_contribution``), attn.qkv's weight-gradient
-input gathered first (``parallelism.weight_gradient_gather``), splash attention,
+input gathered first (``parallelism.weight_gradient_gather``), one-way rings'
+partial sums added inside their einsums (``parallelism.ring_additions``), splash attention,
 fused q/k/v and gate/up projections, XLA's collective pipelining over ICI on top of
 the chip's flags (``hardware.xla_flags``).
 The paper (Wang et al., ASPLOS 2023) reports 72% of peak FLOPS for a 500B
@@ -112,7 +113,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the unembedding ringed again; 7.746 s with the accumulators' layout (docs/paper_scale.md,
   # Recent changes). The unidirectional reduce-scatter rings (mlp.down's forward, gate/up's
   # data gradient) add their partial sums inside their einsums, in two halves that take
-  # turns: 0.063 s a step of additions go.
+  # turns: 0.063 s a step of additions go, 7.680 s.
   c.parallelism.unroll = 2
   c.parallelism.block_layout = 'contiguous'
   c.parallelism.last_contribution = 'apart'
