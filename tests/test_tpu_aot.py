@@ -20,13 +20,14 @@ pytestmark = pytest.mark.skipif(
     reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
 
 
-def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '', layers: int = 0) -> str:
+def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '', layers: int = 0,
+             additions: str = 'apart') -> str:
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
   env['LIBTPU_INIT_ARGS'] = ' '.join(
       filter(None, [flags, '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000']))
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'tpu_aot_probe.py'),
-                         mode, kind, chip, str(layers)], env=env, capture_output=True, text=True,
-                        timeout=600)
+                         mode, kind, chip, str(layers), additions], env=env, capture_output=True,
+                        text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
 
@@ -76,3 +77,23 @@ def test_an_all_gather_ring_allocates_its_output_inside_the_layer_loop():
            and i.op_name.endswith(('/empty', '/ring_buffer'))]
   assert where, 'no allocation of a ring output in the program'
   assert module.entry not in where, f'ring output allocated outside the layer loop: {where}'
+
+
+@pytest.mark.parametrize('additions', ['apart', 'fused'])
+def test_fused_additions_are_no_pass_of_their_own_in_the_ring_loop(additions):
+  # parallelism.ring_additions: apart, each step's addition of the arriving accumulator is a
+  # loop fusion of its own in the ring's loop; fused, the TPU compiler fuses it into the
+  # step's einsum (an output fusion), and the accumulators travel in halves.
+  module = hlo_text.parse(_compile('unidirectional', 'rs', additions=additions))
+  called = {m.group(1) for instrs in module.computations.values() for i in instrs
+            if i.opcode == 'fusion' for m in [re.search(r'calls=%?([\w.\-]+)', i.attrs)] if m}
+  loop = [i for name, instrs in module.computations.items() if name not in called
+          for i in instrs if '/while/body/' in i.op_name and 'collective_einsum' in i.op_name]
+  passes = [i.name for i in loop if i.opcode == 'fusion' and 'partial_sums' in i.op_name]
+  sent = {hlo_text.shape_bytes(hlo_text.tuple_element(i.shape, 0)) for i in loop
+          if i.opcode == 'collective-permute-start'}
+  block = 1024 * 4096 * 2  # the probe's [t / 8, d] output block, in bf16
+  if additions == 'apart':
+    assert passes and sent == {block}, (passes, sent)
+  else:
+    assert not passes and sent == {block // 2}, (passes, sent)

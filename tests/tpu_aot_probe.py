@@ -1,7 +1,8 @@
 """Compiles a decomposed einsum for a small TPU slice (v4:2x2x2 by default) on this CPU machine.
 
-Arguments: mode, kind ('ag' or 'rs'), chip, and a layer count (the gradient of a scan over
-that many layers of the einsum; 0: the einsum alone). Run by tests/test_tpu_aot.py in its
+Arguments: mode, kind ('ag' or 'rs'), chip, a layer count (the gradient of a scan over
+that many layers of the einsum; 0: the einsum alone) and ``parallelism.ring_additions``
+(default ``apart``). Run by tests/test_tpu_aot.py in its
 own process: LIBTPU_INIT_ARGS (which turns XLA's own windowed einsum off) is read once per
 process. Prints the scheduled TPU HLO.
 """
@@ -17,14 +18,15 @@ from jax.experimental import topologies  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 from parallelism import hardware, mesh as mesh_lib  # pylint: disable=wrong-import-position
-from parallelism.collective_einsum import collective_einsum  # pylint: disable=wrong-import-position
+from parallelism.collective_einsum import explain, run_decision  # pylint: disable=wrong-import-position
 
 
 # A small slice of each TPU chip in parallelism/hardware.py's table.
 SLICES = {'tpu_v4': 'v4:2x2x2', 'tpu_v5p': 'v5p:2x2x2', 'tpu_v5e': 'v5e:2x4', 'tpu_v6e': 'v6e:2x4'}
 
 
-def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0'):
+def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0',
+         ring_additions: str = 'apart'):
   layers = int(layers)
   tpu = hardware.get_profile(chip).tpu
   topo = topologies.get_topology_desc(platform='tpu', topology_name=SLICES[chip],
@@ -38,8 +40,9 @@ def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0'):
     eq, ls, rs, specs = 'td,df->tf', (8192, 4096), (4096, 16384), (P(t, None), P(None, t), P(None, t))
   else:
     eq, ls, rs, specs = 'tf,fd->td', (8192, 16384), (16384, 4096), (P(None, t), P(t, None), P(t, None))
-  einsum = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=specs[0],
-                                          rhs_spec=specs[1], out_spec=specs[2], mode=mode)
+  kw = dict(mesh=mesh, lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2])
+  einsum = lambda x, w: run_decision(explain(eq, x.shape, w.shape, x.dtype, mode=mode, **kw),
+                                     x, w, ring_additions=ring_additions, **kw)
   f = jax.jit(einsum)
   arg_specs = specs
   if layers:  # the gradient of a scan over stacked weights, as a train step's layers
