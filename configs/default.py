@@ -150,11 +150,11 @@ def get_config() -> ml_collections.ConfigDict:
   # before (gathered before that ring where it is bidirectional; holds the gathered operand
   # longer). Both 'apart' and 'before' pay on some layouts only: configs/dense_500b.py.
   c.parallelism.weight_gradient_gather = 'beside'
-  # A unidirectional reduce-scatter ring's additions of partial sums: apart (a pass of
-  # their own after each step's einsum) | fused (into the einsums: the accumulator travels
-  # in two halves, each transfer overlapping the other half's einsum; the einsums read
-  # the unsliced operand by halves, which the compiler may copy). Bidirectional rings keep
-  # them apart (docs/paper_scale.md).
+  # A reduce-scatter ring's additions of partial sums: apart (a pass of their own after
+  # each step's einsum) | fused (into the einsums: each accumulator travels in two halves,
+  # each transfer overlapping the other halves' einsums; unidirectional rings, and even
+  # bidirectional ones whose output is an activation: a weight gradient's keeps one einsum
+  # for both directions, docs/paper_scale.md).
   c.parallelism.ring_additions = 'apart'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that

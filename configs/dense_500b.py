@@ -111,9 +111,9 @@ def get_config() -> ml_collections.ConfigDict:
   # step an iteration and fp32 moments; 7.808 s with the first two (and the unembedding
   # plain, for memory); 7.756 s with the last two and a bf16 second moment; 7.755 s with
   # the unembedding ringed again; 7.746 s with the accumulators' layout (docs/paper_scale.md,
-  # Recent changes). The unidirectional reduce-scatter rings (mlp.down's forward, gate/up's
-  # data gradient) add their partial sums inside their einsums, in two halves that take
-  # turns: 0.063 s a step of additions go, 7.680 s.
+  # Recent changes). The reduce-scatter rings with activation outputs add their partial
+  # sums inside their einsums, each accumulator in two halves that take turns: 0.130 s a
+  # step of additions go, 7.603 s (7.680 s with the one-way rings' alone).
   c.parallelism.unroll = 2
   c.parallelism.block_layout = 'contiguous'
   c.parallelism.last_contribution = 'apart'

@@ -51,9 +51,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.block_layout = 'compiler'
   c.parallelism.last_contribution = 'fused'
   c.parallelism.weight_gradient_gather = 'beside'
-  # The 500B's additions fused in halves pay here too (modeled, v4: ours 4.702 -> 4.649 s;
-  # additions 0.155 -> 0.115 s). On moe_1t they do not (3.713 -> 3.738 s: its rings wait
-  # more).
+  # The 500B's additions fused in halves pay here too (modeled, v4: ours 4.702 -> 4.573 s;
+  # additions 0.155 -> 0 s; 4.649 s with the one-way rings' alone).
   c.parallelism.ring_additions = 'fused'
   # The chip's flags only: the 500B's ICI pipelining makes both slower here (modeled:
   # baseline 5.019 -> 5.103 s, ours 4.649 -> 4.671 s with two ring steps per iteration).

@@ -49,10 +49,10 @@ BLOCK_LAYOUTS = ('compiler', 'contiguous')
 # A forward reduce-scatter ring's own contribution (``parallelism.last_contribution``): as
 # the compiler fuses it, or computed apart while the last accumulators travel (``ring._last``).
 LAST_CONTRIBUTIONS = ('fused', 'apart')
-# A unidirectional reduce-scatter ring's additions of partial sums
-# (``parallelism.ring_additions``): a pass of their own after each step's einsum, or fused
-# into the einsums, the accumulator travelling in two halves that take turns
-# (``ring._one_way_in_halves``).
+# A reduce-scatter ring's additions of partial sums (``parallelism.ring_additions``): a
+# pass of their own after each step's einsum, or fused into the einsums, each accumulator
+# travelling in two halves that take turns (``ring._in_halves``; ``_Ring.fused_additions``
+# says which rings).
 RING_ADDITIONS = ('apart', 'fused')
 # Where a weight gradient ringed over another axis gets its operand gathered over the
 # forward's axis (``parallelism.weight_gradient_gather``, ``_gathered_first``).
@@ -493,7 +493,7 @@ class _Static:
   contiguous: bool = False  # block_layout='contiguous': blocks of sliced operands contiguous
   last_apart: bool = False  # last_contribution='apart' (the forward's rings only)
   gather_first: bool = False  # weight_gradient_gather='before'
-  fused_additions: bool = False  # ring_additions='fused' (unidirectional reduce-scatters)
+  fused_additions: bool = False  # ring_additions='fused' (reduce-scatters, _Ring's)
   activation_out: bool = True  # the output is an activation (not a weight's gradient)
 
   def transposed(self, which: str) -> '_Static':
@@ -624,7 +624,11 @@ class _Ring:
   contiguous: bool = False  # contiguous_blocks on the operands the rings slice
   last_apart: bool = False  # a reduce-scatter ring's own contribution kept out of the fusions
   row_major: bool = False  # a reduce-scatter ring's accumulators in the default layout
-  fused_additions: bool = False  # a unidirectional one's, in halves fused into its einsums
+  # a reduce-scatter ring's additions in its einsums, its accumulators in halves: under
+  # ring_additions='fused', a unidirectional ring's, and a bidirectional one's whose output
+  # is an activation (a weight gradient's einsums, one a direction, would read the
+  # activation each round twice: HBM-bound, dense_500b +0.84 s a step)
+  fused_additions: bool = False
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
@@ -676,7 +680,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
-            cfg.last_apart, cfg.contiguous and cfg.activation_out, cfg.fused_additions)
+            cfg.last_apart, cfg.contiguous and cfg.activation_out,
+            cfg.fused_additions and (cfg.activation_out or not cfg.bidirectional))
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -843,14 +848,14 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   out = ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
                                    unroll=r.unroll, pair_axis=eq.out.index(z),
                                    last_apart=r.last_apart, laid_out=laid_out,
-                                   halves_axis=None if halved is None or r.split[1]
+                                   halves_axis=None if halved is None
                                    else eq.out.index(halved))
   return out.astype(r.dtype)
 
 
 def _halved_letter(eq: Equation, z: str, letters: str, shape) -> str | None:
   """The output dimension along which a reduce-scatter ring's accumulator travels in
-  halves (``ring._one_way_in_halves``): the largest of even size that the operand the ring
+  halves (``ring._in_halves``): the largest of even size that the operand the ring
   does not slice carries (so each half's einsum reads half of it), or None."""
   even = [l for l in letters if l in eq.out and l != z and shape[letters.index(l)] % 2 == 0]
   return max(even, key=lambda l: shape[letters.index(l)], default=None)

@@ -232,10 +232,10 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   addition runs in fp32 (at least) and rounds once. A bidirectional step
   computes two contributions: with ``pair_axis``, ``partial(k1, k2)`` gives both
   from one einsum, concatenated along that dimension, else ``partial`` runs
-  twice. With ``halves_axis``, a unidirectional ring's accumulator travels as two
-  halves along that output dimension that take turns (``_one_way_in_halves``), and each
-  step's einsum adds its half's arriving accumulator as it writes: ``partial(k,
-  half=j)`` gives half ``j`` of the contribution, in fp32.
+  twice. With ``halves_axis``, each accumulator travels as two halves along that
+  output dimension that take turns (``_in_halves``; an odd bidirectional ring's travel
+  whole), and each step's einsum adds its half's arriving accumulator as it writes:
+  ``partial(k, half=j)`` gives half ``j`` of block k's contribution, in fp32.
   """
   def partial_pair(k1, k2, barrier=lambda x: x, after=None):
     if pair_axis is None:
@@ -258,15 +258,20 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   dim = halves_dim(jax.eval_shape(partial, idx)) if n_left and n_right == n_left + 1 else None
   if dim is not None:
     half_r, half_l = jnp.split(partial(at(n_right)), 2, dim)
-    mine_r, mine_l = partial_pair(at(n_right - 1), at(1 - n_right), _unfused,
-                                  after=(half_r, half_l))
     # Each half arrives into a whole block of zeros (a pad, fused into the addition: no
     # copy of the joined block).
     size = half_r.shape[dim]
     widen = lambda x, lo: jnp.pad(x, [(lo, size - lo) if d == dim else (0, 0)
                                       for d in range(x.ndim)])
-    acc_r = add(mine_r, widen(recv_from(half_r, axis, n, -1), 0))
-    acc_l = add(mine_l, widen(recv_from(half_l, axis, n, +1), size))
+    in_r = widen(recv_from(half_r, axis, n, -1), 0)
+    in_l = widen(recv_from(half_l, axis, n, +1), size)
+    if halves_axis is not None:
+      ways = ((-1, lambda s: at(n_right - s)), (+1, lambda s: at(s - n_right)))
+      return _in_halves(partial, idx, axis, n, ways, (in_r, in_l), (1, n_right), halves_axis,
+                        (half_r, half_l), last_apart, unroll, add)
+    mine_r, mine_l = partial_pair(at(n_right - 1), at(1 - n_right), _unfused,
+                                  after=(half_r, half_l))
+    acc_r, acc_l = add(mine_r, in_r), add(mine_l, in_l)
     acc_r, acc_l = _loop(2, n_right, _both_steps(partial_pair, at, axis, n, n_right, n_right,
                                                  add), (acc_r, acc_l), unroll)
     return _last(partial, idx, axis, n, acc_r, acc_l, last_apart, add)
@@ -275,43 +280,54 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     acc_r, acc_l = _loop(1, n_left, _both_steps(partial_pair, at, axis, n, n_right, n_left,
                                                 add), (acc_r, acc_l), unroll)
   elif halves_axis is not None:
-    return _one_way_in_halves(partial, idx, at, axis, n, halves_axis, last_apart, unroll,
-                              add)
+    return _in_halves(partial, idx, axis, n, ((-1, lambda s: at(n - 1 - s)),), (None,),
+                      (0, n - 1), halves_axis, None, last_apart, unroll, add)
   else:
     acc_r = partial(at(n_right))  # moves right: n_right hops to its owner
   acc_r = _loop(max(n_left, 1), n_right, step_r, acc_r, unroll)
   return _last(partial, idx, axis, n, acc_r, acc_l if n_left else None, last_apart, add)
 
 
-def _one_way_in_halves(partial, idx, at, axis: str, n: int, dim: int, last_apart: bool,
-                       unroll, add):
-  """A unidirectional reduce-scatter ring whose accumulator travels as two halves along
-  output dimension ``dim``, one transfer apart.
+def _in_halves(partial, idx, axis: str, n: int, ways, arriving, rounds: tuple[int, int],
+               dim: int, after, last_apart: bool, unroll, add):
+  """A reduce-scatter ring whose accumulators travel as two halves along output dimension
+  ``dim``, one transfer apart.
 
-  Each round sends the first half's accumulator, computes the second half's step (its
-  einsum adding the second half's accumulator, which arrived the round before), sends
-  that, and computes the first half's step once its accumulator has arrived: each
-  transfer overlaps the other half's einsum, and no addition but the last (this device's
-  own block's, as ``_last``'s) is a pass of its own: apart, each reads and writes 6 bytes
-  an element in bf16 (dense_500b: 0.063 s a step; docs/paper_scale.md). Each einsum reads
-  half of the operand it does not slice, split where it waits (``partial``'s ``after``),
-  so that the compiler reads the halves in place rather than copying them out of the loop.
+  ``ways``: for each direction (one, or two for a bidirectional ring), the offset it
+  receives from and round s's block; ``arriving``: what each adds in the first of
+  ``rounds`` (None: nothing); ``after``: what that round's einsums wait for. Each round
+  sends the first halves, computes the second halves' steps (their einsums adding the
+  second halves' accumulators, which arrived the round before), sends those, and computes
+  the first halves' steps once theirs have arrived: each transfer overlaps the other
+  halves' einsums, and no addition but the last (this device's own block's, as
+  ``_last``'s) is a pass of its own: apart, each reads and writes 6 bytes an element in
+  bf16 (dense_500b: 0.130 s a step; docs/paper_scale.md). Each einsum reads half of the
+  operand it does not slice, split where it waits (``partial``'s ``after``), so that the
+  compiler reads the halves in place rather than copying them out of the loop. A
+  bidirectional round computes each direction's halves with an einsum of its own: one
+  einsum for both (``pair_axis``) would write them joined, to be copied apart.
   """
   wire = jax.eval_shape(partial, idx).dtype
-  half = lambda k, j, after: partial(k, half=j, after=after)
-  recv = lambda x: recv_from(x, axis, n, -1)
-  second = half(at(n - 1), 1, None).astype(wire)
-  first = half(at(n - 1), 0, second).astype(wire)  # computed while the second travels
+  recv = lambda accs: tuple(recv_from(a, axis, n, off) for a, (off, _) in zip(accs, ways))
+  halves = lambda accs, j: tuple(a if a is None else jnp.split(a, 2, dim)[j] for a in accs)
+
+  def step_of(s, j, arrived, wait):  # round s's half j of every direction
+    made = [partial(block(s), half=j, after=wait) for _, block in ways]
+    return tuple(m.astype(wire) if a is None else add(a, m) for a, m in zip(arrived, made))
+
+  first, last = rounds
+  second = step_of(first, 1, halves(arriving, 1), after)
+  sent = step_of(first, 0, halves(arriving, 0), second)  # computed while the second travels
 
   def step(s, carry):
-    sent, arrived = carry  # the first half's accumulator, sent now; the second's, here
-    nxt = recv(add(arrived, half(at(n - 1 - s), 1, carry)))
-    return add(recv(sent), half(at(n - 1 - s), 0, carry)), nxt
+    sent, arrived = carry  # the first halves' accumulators, sent now; the second's, here
+    nxt = recv(step_of(s, 1, arrived, carry))
+    return step_of(s, 0, recv(sent), carry), nxt
 
-  sent, arrived = _loop(1, n - 1, step, (first, recv(second)), unroll)
-  mine = partial(idx, after=sent)
-  joined = jnp.concatenate([recv(sent), arrived], dim)
-  return add(joined, _unfused(mine) if last_apart else mine)
+  sent, arrived = _loop(first + 1, last, step, (sent, recv(second)), unroll)
+  joined = [jnp.concatenate(pair, dim) for pair in zip(recv(sent), arrived)]
+  mine = partial(idx, after=(sent, arrived))
+  return add(joined[0], _unfused(mine) if last_apart else mine, *joined[1:])
 
 
 def _both_steps(partial_pair, at, axis: str, n: int, right: int, left: int, add):

@@ -232,11 +232,13 @@ class Parallelism:
                                                "the data gradient's ring, on its links) | "
                                                'before (before that ring where it is '
                                                'bidirectional)')
-  ring_additions: str = _key('apart', "a unidirectional reduce-scatter ring's additions of "
-                                      'partial sums: apart (a pass after each einsum) | '
-                                      'fused (into the einsums: the accumulator travels in '
-                                      'two halves that take turns; where an output dimension '
-                                      'the unsliced operand carries has even size)')
+  ring_additions: str = _key('apart', "a reduce-scatter ring's additions of partial sums: "
+                                      'apart (a pass after each einsum) | fused (into the '
+                                      'einsums, each accumulator travelling in two halves '
+                                      'that take turns; unidirectional rings and even '
+                                      'bidirectional ones with activation outputs, where an '
+                                      'output dimension the unsliced operand carries has '
+                                      'even size)')
 
 
 @dataclasses.dataclass(frozen=True)
