@@ -10,7 +10,7 @@ gradient ringed over fsdp (``parallelism.gradient_accumulators='sharded'``),
 two ring steps per loop iteration, the rings' sliced operands and accumulators
 laid out for them (``parallelism.block_layout``), the forward rings' own
 contributions apart (``parallelism.last_contribution``), attn.qkv's weight-gradient
-input gathered first (``parallelism.weight_gradient_gather``), one-way rings'
+input gathered first (``parallelism.weight_gradient_gather``), the activation rings'
 partial sums added inside their einsums (``parallelism.ring_additions``), splash attention,
 fused q/k/v and gate/up projections, XLA's collective pipelining over ICI on top of
 the chip's flags (``hardware.xla_flags``).

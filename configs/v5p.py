@@ -46,7 +46,8 @@ LAYOUTS = {
     # bf16 moments are for v4's memory; this layout was searched and measured without
     # them (its ring settings, v4's too: ours 9.001 -> 8.819 s, modeled; 8.871 s since the
     # all-gather rings wait for each round's einsum; 8.777 s with v4's ring schedule and
-    # accumulators' layout; 8.643 s with v4's additions fused in halves)
+    # accumulators' layout; 8.643 s with v4's one-way rings' additions fused in halves,
+    # 8.665 s with its two-way activation rings' too)
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
                    'model.cast_in_loop': False, 'parallelism.gradient_accumulators': 'any',
                    'optimizer.mu_dtype': 'param', 'optimizer.nu_dtype': 'param'},
