@@ -156,6 +156,12 @@ def get_config() -> ml_collections.ConfigDict:
   # bidirectional ones whose output is an activation: a weight gradient's keeps one einsum
   # for both directions, docs/paper_scale.md).
   c.parallelism.ring_additions = 'apart'
+  # A bidirectional all-gather ring's two blocks a round, whose products go to different
+  # parts of the output: joined (one einsum over both, as XLA's windowed einsum does; the
+  # blocks are copied together and the product split apart, two copies a round) | apart (an
+  # einsum a block, each product written where it goes; reads the other operand twice a
+  # round, and a ring with less work between its transfers can hide less of them).
+  c.parallelism.gather_pairs = 'joined'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

@@ -56,6 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.last_contribution = 'fused'
   c.parallelism.weight_gradient_gather = 'beside'
   c.parallelism.ring_additions = 'apart'
+  c.parallelism.gather_pairs = 'joined'
   c.hardware.xla_flags = 'default'  # the chip's flags only (not the 500B's ICI pipelining)
   c.aot.topology = 'v4:4x4x8'      # the slice launch.aot compiles for (--topology overrides)
   return c

@@ -11,7 +11,8 @@ two ring steps per loop iteration, the rings' sliced operands and accumulators
 laid out for them (``parallelism.block_layout``), the forward rings' own
 contributions apart (``parallelism.last_contribution``), attn.qkv's weight-gradient
 input gathered first (``parallelism.weight_gradient_gather``), the activation rings'
-partial sums added inside their einsums (``parallelism.ring_additions``), splash attention,
+partial sums added inside their einsums (``parallelism.ring_additions``), the two-way
+all-gather rings an einsum a block (``parallelism.gather_pairs``), splash attention,
 fused q/k/v and gate/up projections, XLA's collective pipelining over ICI on top of
 the chip's flags (``hardware.xla_flags``).
 The paper (Wang et al., ASPLOS 2023) reports 72% of peak FLOPS for a 500B
@@ -119,6 +120,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.parallelism.last_contribution = 'apart'
   c.parallelism.weight_gradient_gather = 'before'
   c.parallelism.ring_additions = 'fused'
+  # Two-way all-gather rings run an einsum a block, no join and split of each pair:
+  # 7.603 -> 7.597 s (modeled, v4).
+  c.parallelism.gather_pairs = 'apart'
 
   c.hardware.name = 'tpu_v4'
   # The chip's flags (MaxText's), then XLA's pipelining of a scanned layer's all-gathers

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,11 @@ LAST_CONTRIBUTIONS = ('fused', 'apart')
 # travelling in two halves that take turns (``ring._in_halves``; ``_Ring.fused_additions``
 # says which rings).
 RING_ADDITIONS = ('apart', 'fused')
+# A bidirectional all-gather ring's two blocks a round, whose products go to different parts
+# of the output (``parallelism.gather_pairs``): joined through one einsum (the blocks copied
+# together, the product split apart: two copies a round), or apart, an einsum a block, each
+# product written where it goes (the other operand read twice a round). ``_Ring.apart_pairs``.
+GATHER_PAIRS = ('joined', 'apart')
 # Where a weight gradient ringed over another axis gets its operand gathered over the
 # forward's axis (``parallelism.weight_gradient_gather``, ``_gathered_first``).
 WEIGHT_GRADIENT_GATHERS = ('beside', 'before')
@@ -61,6 +66,12 @@ WEIGHT_GRADIENT_GATHERS = ('beside', 'before')
 WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
 SCOPE = ring.RING_SCOPE
+
+
+class _Priced(NamedTuple):
+  """What of a ring's settings its price depends on (``cost_model.estimate``)."""
+  wire_fp32: bool     # partial sums travel in fp32 (ring_dtype='float32')
+  apart_pairs: bool   # gather_pairs='apart'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +120,8 @@ def unroll_problem(unroll) -> str | None:
 
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
             mode='auto', hardware=None, ring_dtype='compute',
-            gradient_accumulators='any', gradient_rings='ringed_forward') -> Decision:
+            gradient_accumulators='any', gradient_rings='ringed_forward',
+            gather_pairs='joined') -> Decision:
   """Decides how ``collective_einsum`` would run, without running it.
 
   Raises:
@@ -124,8 +136,10 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
                      f'{GRADIENT_ACCUMULATORS}')
   if gradient_rings not in GRADIENT_RINGS:
     raise ValueError(f'gradient_rings={gradient_rings!r} is not one of {GRADIENT_RINGS}')
+  if gather_pairs not in GATHER_PAIRS:
+    raise ValueError(f'gather_pairs={gather_pairs!r} is not one of {GATHER_PAIRS}')
   alone = gradient_rings == 'any_forward'
-  wire_fp32 = ring_dtype == 'float32'
+  form = _Priced(ring_dtype == 'float32', gather_pairs == 'apart')
   eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
   # An axis of size 1 needs no collective whatever the specs say.
   needs = [p for p in plans if p.kind != 'pass' and mesh.shape[p.axis] > 1]
@@ -133,10 +147,10 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   shapes, all_specs = (lhs_shape, rhs_shape), (lhs_spec, rhs_spec, out_spec)
   problems = {p.axis: _problem(eq, p, shapes, all_specs, mesh) for p in needs}
   ok = [p for p in needs if not problems[p.axis]]
-  chosen = _choose_axis(eq, ok, shapes, all_specs, dtype, mesh, hardware, wire_fp32) if ok \
+  chosen = _choose_axis(eq, ok, shapes, all_specs, dtype, mesh, hardware, form) if ok \
       else None
   estimate = chosen and _estimate(eq, chosen, shapes, all_specs, dtype, mesh,
-                                  hardware or cost_model.DEFAULT_HARDWARE, wire_fp32)
+                                  hardware or cost_model.DEFAULT_HARDWARE, form)
   others = tuple(p.axis for p in needs if p is not chosen)
   if mode == 'none':
     return Decision(str(eq), 'none', None, chosen and chosen.kind, others, estimate,
@@ -147,7 +161,7 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
       raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
     return _gradients_alone(
         Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}'),
-        eq, shapes, all_specs, dtype, mesh, hardware, wire_fp32, alone)
+        eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
   backward, backward_over = ('ring', 'ring'), (None, None)
   if mode == 'auto':
     choice = estimate.best
@@ -156,13 +170,13 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
     if choice == 'none':
       return _gradients_alone(
           Decision(str(eq), 'none', None, chosen.kind, others, estimate, reason),
-          eq, shapes, all_specs, dtype, mesh, hardware, wire_fp32, alone)
+          eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
     if choice == 'unidirectional' and (estimate.seconds['bidirectional']
                                        < estimate.seconds['unidirectional']):
       reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
                  'faster: the simpler ring)')
     rings, seconds = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                                     hardware, wire_fp32, gradient_accumulators == 'sharded')
+                                     hardware, form, gradient_accumulators == 'sharded')
     backward = tuple('none' if r is None else 'ring' for r in rings)
     backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
                           for r in rings)
@@ -185,7 +199,7 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
 
 
 def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
-                     wire_fp32, enabled: bool) -> Decision:
+                     form: '_Priced', enabled: bool) -> Decision:
   """``plain`` (a forward left to the compiler, under auto), with each gradient einsum
   that reduce-scatters over an axis as a ring over it where the cost model says that
   ring costs less than the compiler's reduce-scatter, which blocks the chip; only where
@@ -204,7 +218,7 @@ def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, 
   if not enabled:
     return plain
   rings, seconds = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
-                                   wire_fp32)
+                                   form)
   if not any(rings):
     return dataclasses.replace(plain, gradient_seconds=seconds)
   reason = plain.reason + ''.join(_blocking(w, r) for w, r in zip(('lhs', 'rhs'), rings) if r)
@@ -220,7 +234,7 @@ def _blocking(which: str, ring: tuple[str, str]) -> str:
 
 
 def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
-                    mesh, hardware, wire_fp32, sharded: bool = False):
+                    mesh, hardware, form: '_Priced', sharded: bool = False):
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; and
   the modeled seconds of each one's forms (``Decision.gradient_seconds``).
 
@@ -282,7 +296,7 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
         sharded and plan.kind == 'allgather_contracting' and any(
             p.kind == 'reducescatter' and p.axis != axis and mesh.shape[p.axis] > 1
             for p in plans))
-    est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, wire_fp32)
+    est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, form)
            for p in candidates}
     # The compiler's collective over each axis, where the ring runs over another one.
     compiler = {p.axis: est[p.axis].comm_seconds for p in candidates}
@@ -301,22 +315,24 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
 
 
 def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,
-              wire_fp32) -> cost_model.Estimate:
+              form: '_Priced') -> cost_model.Estimate:
   """The cost model's estimate for a ring over ``plan.axis``, operands as a device holds
   them in that ring."""
-  return cost_model.estimate(eq, plan, *shapes, dtype, mesh, hardware, wire_fp32=wire_fp32,
+  return cost_model.estimate(eq, plan, *shapes, dtype, mesh, hardware,
+                             wire_fp32=form.wire_fp32,
                              local=local_elements(eq, plan.axis, *shapes, specs, mesh),
-                             flops=device_flops(eq, plan.axis, *shapes, specs, mesh))
+                             flops=device_flops(eq, plan.axis, *shapes, specs, mesh),
+                             apart_pairs=form.apart_pairs)
 
 
 def _choose_axis(eq, candidates, shapes, specs, dtype, mesh, hardware,
-                 wire_fp32) -> AxisPlan:
+                 form: '_Priced') -> AxisPlan:
   """The axis whose collective costs most; ``tensor`` when there is no model."""
   if len(candidates) == 1 or hardware is None:
     named = [p for p in candidates if p.axis == 'tensor']
     return (named or candidates)[0]
   cost = lambda p: cost_model.estimate(eq, p, *shapes, dtype, mesh, hardware,
-                                       wire_fp32=wire_fp32).comm_seconds
+                                       wire_fp32=form.wire_fp32).comm_seconds
   return max(candidates, key=cost)
 
 
@@ -433,13 +449,14 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                  unroll: int = 1, ring_dtype: str = 'compute',
                  block_layout: str = 'compiler', last_contribution: str = 'fused',
                  weight_gradient_gather: str = 'beside',
-                 ring_additions: str = 'apart') -> jax.Array:
+                 ring_additions: str = 'apart', gather_pairs: str = 'joined') -> jax.Array:
   """Computes the einsum as ``decision`` (from ``explain``) says."""
   for key, value, allowed in (('block_layout', block_layout, BLOCK_LAYOUTS),
                               ('last_contribution', last_contribution, LAST_CONTRIBUTIONS),
                               ('weight_gradient_gather', weight_gradient_gather,
                                WEIGHT_GRADIENT_GATHERS),
-                              ('ring_additions', ring_additions, RING_ADDITIONS)):
+                              ('ring_additions', ring_additions, RING_ADDITIONS),
+                              ('gather_pairs', gather_pairs, GATHER_PAIRS)):
     if value not in allowed:
       raise ValueError(f'{key}={value!r} is not one of {allowed}')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
@@ -453,7 +470,8 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                   decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
                   decision.backward, decision.backward_over, block_layout == 'contiguous',
                   last_contribution == 'apart', weight_gradient_gather == 'before',
-                  fused_additions=ring_additions == 'fused')
+                  fused_additions=ring_additions == 'fused',
+                  apart_pairs=gather_pairs == 'apart')
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 
@@ -494,6 +512,7 @@ class _Static:
   last_apart: bool = False  # last_contribution='apart' (the forward's rings only)
   gather_first: bool = False  # weight_gradient_gather='before'
   fused_additions: bool = False  # ring_additions='fused' (reduce-scatters, _Ring's)
+  apart_pairs: bool = False  # gather_pairs='apart' (_Ring's)
   activation_out: bool = True  # the output is an activation (not a weight's gradient)
 
   def transposed(self, which: str) -> '_Static':
@@ -629,6 +648,9 @@ class _Ring:
   # is an activation (a weight gradient's einsums, one a direction, would read the
   # activation each round twice: HBM-bound, dense_500b +0.84 s a step)
   fused_additions: bool = False
+  # gather_pairs='apart': a bidirectional all-gather ring without partial sums runs an einsum
+  # a block, each product written where it goes, not one einsum over the pair joined
+  apart_pairs: bool = False
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
@@ -681,7 +703,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
             cfg.last_apart, cfg.contiguous and cfg.activation_out,
-            cfg.fused_additions and (cfg.activation_out or not cfg.bidirectional))
+            cfg.fused_additions and (cfg.activation_out or not cfg.bidirectional),
+            cfg.apart_pairs)
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -895,6 +918,9 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
     def consume(acc, block, src):
       part = jnp.einsum(local_eq, block, o, preferred_element_type=acc_dtype)
       return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), src * m, out_dim)
+
+    if r.apart_pairs:  # ring.all_gather_einsum then consumes each block of a pair alone
+      consume_pair = None
   else:  # allgather_contracting: o holds the whole contracting dim
     # Partial sums rest between steps in the wire dtype, as a reduce-scatter ring's do
     # (bf16 for a bf16 model: half an fp32 accumulator's memory and HBM traffic); each
@@ -957,8 +983,8 @@ def default_layout(x: jax.Array) -> jax.Array:
 
 
 def _keeping(consume, consume_pair, dim, m, contiguous: bool = False):
-  """``consume`` and ``consume_pair`` over (acc, whole): each block also written into
-  ``whole`` at its source's offset along ``dim``. With ``contiguous``, ``whole`` (the
+  """``consume`` and ``consume_pair`` (None: ``consume`` once a block) over (acc, whole):
+  each block also written into ``whole`` at its source's offset along ``dim``. With ``contiguous``, ``whole`` (the
   cotangent a weight-gradient ring over another axis slices next, along its last
   dimension) is laid out for that ring's blocks (``contiguous_blocks``)."""
   lay = (lambda w: contiguous_blocks(w, w.ndim - 1)) if contiguous else (lambda w: w)
@@ -971,6 +997,8 @@ def _keeping(consume, consume_pair, dim, m, contiguous: bool = False):
 
   def keep_pair(carry, a, src_a, b, src_b):
     acc, whole = carry
-    return consume_pair(acc, a, src_a, b, src_b), put(put(whole, a, src_a), b, src_b)
+    acc = (consume(consume(acc, a, src_a), b, src_b) if consume_pair is None
+           else consume_pair(acc, a, src_a, b, src_b))
+    return acc, put(put(whole, a, src_a), b, src_b)
 
   return keep_one, keep_pair

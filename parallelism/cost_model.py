@@ -44,7 +44,11 @@ Predicted times (all modeled, not measured):
 * ``bidirectional``: ``R = ceil((N-1)/2)`` rounds, each computing two blocks
   while both link directions carry one block each:
   ``c + R (max(c2, t) + latency)``, ``c2`` the round's one einsum over both blocks
-  (FLOPs 2F/N; the operand that stays is read once); for an even N the last round
+  (FLOPs 2F/N; the operand that stays is read once); under ``apart_pairs``
+  (``parallelism.gather_pairs='apart'``) an all-gather's round is two einsums, each
+  reading that operand, ``c2 = 2 c``. The joined round's copies (its blocks joined before
+  the einsum, the product split after it) are not priced: which form a ring takes is the
+  config's, by compiled programs (docs/paper_scale.md). For an even N the last round
   is the opposite device's block alone, half of it from each side (``ring.py``):
   ``c + (R-1) (max(c2, t) + latency) + max(c, t/2) + latency``, plus, for an
   all-gather, writing the two halves it forwards out of the blocks that hold them
@@ -117,7 +121,8 @@ class Estimate:
 
 
 def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
-             hardware, wire_fp32: bool = False, local=None, flops=None) -> Estimate:
+             hardware, wire_fp32: bool = False, local=None, flops=None,
+             apart_pairs: bool = False) -> Estimate:
   """Models ``none``, ``unidirectional`` and ``bidirectional`` for ``plan.axis``.
 
   ``local``: the elements of (lhs, rhs, output) one device holds in the ring
@@ -125,7 +130,8 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   devices, which undercounts an output whose partial sums are reduced after the
   ring (a weight gradient's, whole over ``fsdp`` until then). ``flops``: the einsum's
   FLOPs on one device (``collective_einsum.device_flops``); by default its FLOPs over
-  all devices, which undercounts an einsum that an axis does not split.
+  all devices, which undercounts an einsum that an axis does not split. ``apart_pairs``: a
+  bidirectional all-gather ring without partial sums runs an einsum a block.
   """
   profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(hardware)
   sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
@@ -151,6 +157,8 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   t_comp = max(flops / peak, plain_bytes / hbm)
   c = max(flops / n / peak, step_bytes / hbm) + copied / hbm
   c2 = max(2 * flops / n / peak, pair_bytes / hbm) + 2 * copied / hbm  # one einsum, 2 blocks
+  if apart_pairs and plan.kind == 'allgather_free':
+    c2 = 2 * c
   t = block / (link * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
   rounds = math.ceil((n - 1) / 2)

@@ -25,8 +25,8 @@ from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
 from parallelism import moe
 from parallelism.collective_einsum import (
-    BLOCK_LAYOUTS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS, LAST_CONTRIBUTIONS, RING_ADDITIONS,
-    RING_DTYPES, WEIGHT_GRADIENT_GATHERS, explain, run_decision, unroll_problem)
+    BLOCK_LAYOUTS, GATHER_PAIRS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS, LAST_CONTRIBUTIONS,
+    RING_ADDITIONS, RING_DTYPES, WEIGHT_GRADIENT_GATHERS, explain, run_decision, unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -136,6 +136,7 @@ class MatmulPolicy:
   last_contribution: str = 'fused'      # fused | apart (LAST_CONTRIBUTIONS)
   weight_gradient_gather: str = 'beside'  # beside | before (WEIGHT_GRADIENT_GATHERS)
   ring_additions: str = 'apart'         # apart | fused (RING_ADDITIONS)
+  gather_pairs: str = 'joined'          # joined | apart (GATHER_PAIRS)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
@@ -144,7 +145,8 @@ class MatmulPolicy:
     plain = tuple(s.strip() for s in p.plain_layers.split(',')) if p.plain_layers else ()
     return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
                p.gradient_accumulators, p.gradient_rings, plain, p.block_layout,
-               p.last_contribution, p.weight_gradient_gather, p.ring_additions)
+               p.last_contribution, p.weight_gradient_gather, p.ring_additions,
+               p.gather_pairs)
 
   def validate(self) -> None:
     choices = {'collective_matmul': ('auto', 'always', 'never'),
@@ -153,7 +155,7 @@ class MatmulPolicy:
                'gradient_rings': GRADIENT_RINGS, 'block_layout': BLOCK_LAYOUTS,
                'last_contribution': LAST_CONTRIBUTIONS,
                'weight_gradient_gather': WEIGHT_GRADIENT_GATHERS,
-               'ring_additions': RING_ADDITIONS}
+               'ring_additions': RING_ADDITIONS, 'gather_pairs': GATHER_PAIRS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -236,7 +238,8 @@ class ShardedOps(Ops):
             lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
             hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype,
             gradient_accumulators=self.policy.gradient_accumulators,
-            gradient_rings=self.policy.gradient_rings),
+            gradient_rings=self.policy.gradient_rings,
+            gather_pairs=self.policy.gather_pairs),
         never='none', always=self.policy.direction, name=name))
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       out = run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
@@ -245,7 +248,8 @@ class ShardedOps(Ops):
                          block_layout=self.policy.block_layout,
                          last_contribution=self.policy.last_contribution,
                          weight_gradient_gather=self.policy.weight_gradient_gather,
-                         ring_additions=self.policy.ring_additions)
+                         ring_additions=self.policy.ring_additions,
+                         gather_pairs=self.policy.gather_pairs)
     return saved(out, save_as, save_parts if decision.mode != 'none' else None)
 
   def local(self, fn, *args, in_axes, out_axes):

@@ -62,6 +62,8 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
      "parallelism.weight_gradient_gather='after' is not one of ('beside', 'before')"),
     (['--config.parallelism.ring_additions=late'],
      "parallelism.ring_additions='late' is not one of ('apart', 'fused')"),
+    (['--config.parallelism.gather_pairs=split'],
+     "parallelism.gather_pairs='split' is not one of ('joined', 'apart')"),
     (['--config.parallelism.plain_layers=blocks.*.mlp.gate_up'],
      "parallelism.plain_layers: 'blocks.*.mlp.gate_up' matches no layer"),
     (['--config.checkpoint.on_corrupt=skip'], "on_corrupt='skip'"),

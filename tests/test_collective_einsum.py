@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, step_model
 from parallelism import ring as ring_lib
 from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
-                                          explain, keeps_cotangent, local_elements,
-                                          run_decision)
+                                          GATHER_PAIRS, explain, keeps_cotangent,
+                                          local_elements, run_decision)
 from parallelism.einsum_plan import Equation
 
 T, D = 'tensor', 'data'
@@ -504,6 +504,23 @@ def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
                            hardware='tpu_v4').mode
   assert pick(2048) == 'none' and pick(65536) != 'none'
+
+
+def test_cost_model_prices_apart_pairs_as_two_einsums_a_round():
+  # gather_pairs='apart': a bidirectional all-gather round is two einsums, each reading the
+  # weight that stays. Few tokens a block against a wide weight: the round's one einsum reads
+  # the weight once, the two read it twice, HBM-bound; many tokens: MXU-bound either way,
+  # the same price.
+  mesh = _mesh(8, 1)
+  eq, plans = einsum_plan.plan('bd,df->bf', P(T, None), P(None, T), P(None, T))
+  plan = next(p for p in plans if p.axis == T)
+  assert plan.kind == 'allgather_free'
+  est = lambda b, apart: cost_model.estimate(eq, plan, (b, 8192), (8192, 65536), 'bfloat16',
+                                             mesh, 'tpu_v4', apart_pairs=apart)
+  few, many = 8 * 64, 8 * 8192
+  assert est(few, True).seconds['bidirectional'] > 1.2 * est(few, False).seconds['bidirectional']
+  assert est(many, True).seconds == est(many, False).seconds
+  assert est(few, True).seconds['unidirectional'] == est(few, False).seconds['unidirectional']
 
 
 def test_cost_model_counts_the_copy_of_a_strided_block():
@@ -1050,6 +1067,61 @@ def test_fused_additions_round_once_a_step_in_bf16():
   with pytest.raises(ValueError, match="ring_additions='late'"):
     run_decision(d, lhs, rhs, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
                  ring_additions='late')
+
+
+def _pairs_dots(d, eq, ls, rs, os_, mesh, x, w):
+  """{gather_pairs: (dots the forward executes, dots its gradient executes: the gradient
+  rings', the loss being linear)} for ``d``, after checking both settings' values and
+  gradients against the plain einsum."""
+  dots = {}
+  for pairs in GATHER_PAIRS:
+    f = lambda x, w, p=pairs: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                           out_spec=os_, gather_pairs=p)
+    np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
+    _assert_gradients_match_einsum(f, eq, x, w)
+    loss = lambda x, w, f=f: jnp.sum(f(x, w))
+    dots[pairs] = tuple(_executed(jax.jit(g).lower(x, w).compile().as_text(), 'dot') for g in
+                        (f, jax.grad(loss, argnums=(0, 1))))
+  return dots
+
+
+@pytest.mark.parametrize('pattern', [PATTERNS[0], PATTERNS[5], PATTERNS[3]], ids=lambda p: p[0])
+def test_gather_pairs_apart_run_an_einsum_a_block_with_the_same_values(pattern):
+  # parallelism.gather_pairs='apart': a bidirectional all-gather ring without partial sums
+  # (a forward's, or a reduce-scatter layer's data gradient) runs an einsum a block of each
+  # round's pair, each product written where it goes: (N-1)//2 more einsums for N = 8 than
+  # one over the pair joined. Reduce-scatter and contracting rings keep one einsum a round.
+  eq, ls, rs, os_, kind = pattern
+  mesh = _mesh(8, 1)
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
+  x = jax.random.normal(jax.random.key(0), lhs_shape)
+  w = jax.random.normal(jax.random.key(1), rhs_shape)
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='bidirectional')
+  dots = _pairs_dots(d, eq, ls, rs, os_, mesh, x, w)
+  more = [a - j for a, j in zip(dots['apart'], dots['joined'])]
+  # the forward's ring (all-gather patterns; their gradients' rings reduce-scatter or
+  # contract), or the data gradient's (the reduce-scatter pattern)
+  assert more == ([3, 0] if kind == 'allgather_free' else [0, 3]), dots
+
+
+def test_gather_pairs_apart_in_a_ring_that_keeps_what_it_gathered():
+  # mlp.down on tensor=4 x fsdp=2: the data gradient's all-gather ring over tensor also
+  # writes the cotangent's blocks whole for the weight gradient's ring over fsdp
+  # (keeps_cotangent); apart, its pair's einsums and those writes give the same gradients.
+  eq, ls, rs, os_ = DOWN
+  mesh = _mesh(4, data=1)
+  x = jax.random.normal(jax.random.key(0), (8, 8, 16))
+  w = jax.random.normal(jax.random.key(1), (16, 8))
+  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='bidirectional')
+  d = dataclasses.replace(d, backward_over=(None, (F, 'bidirectional')))
+  dots = _pairs_dots(d, eq, ls, rs, os_, mesh, x, w)
+  assert dots['apart'][0] == dots['joined'][0]
+  assert dots['apart'][1] == dots['joined'][1] + 1, dots  # one pair round on a ring of 4
+  with pytest.raises(ValueError, match="gather_pairs='split'"):
+    run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+                 gather_pairs='split')
 
 
 @pytest.mark.parametrize('n', [4, 8])

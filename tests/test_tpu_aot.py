@@ -21,12 +21,13 @@ pytestmark = pytest.mark.skipif(
 
 
 def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '', layers: int = 0,
-             additions: str = 'apart') -> str:
+             additions: str = 'apart', pairs: str = 'joined') -> str:
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
   env['LIBTPU_INIT_ARGS'] = ' '.join(
       filter(None, [flags, '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000']))
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'tpu_aot_probe.py'),
-                         mode, kind, chip, str(layers), additions], env=env, capture_output=True,
+                         mode, kind, chip, str(layers), additions, pairs], env=env,
+                        capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
@@ -97,3 +98,19 @@ def test_fused_additions_are_no_pass_of_their_own_in_the_ring_loop(additions):
     assert passes and sent == {block}, (passes, sent)
   else:
     assert not passes and sent == {block // 2}, (passes, sent)
+
+
+@pytest.mark.parametrize('pairs', ['joined', 'apart'])
+def test_apart_pairs_join_and_split_no_blocks_in_the_ring_loop(pairs):
+  # parallelism.gather_pairs on a bidirectional all-gather ring (8 devices, in a loop):
+  # joined, each round's two blocks are joined for one einsum and its product split apart
+  # (copies in the loop); apart, an einsum a block, each written where it goes.
+  module = hlo_text.parse(_compile('bidirectional', 'ag', pairs=pairs))
+  loop = [i for instrs in module.computations.values() for i in instrs
+          if '/while/body/' in i.op_name and 'collective_einsum' in i.op_name]
+  copies = [i.name for i in loop if i.op_name.endswith(('/concatenate', '/split'))]
+  einsums = [i.name for i in loop if i.opcode == 'convolution']
+  if pairs == 'joined':
+    assert copies and len(einsums) == 1, (copies, einsums)
+  else:
+    assert not copies and len(einsums) == 2, (copies, einsums)

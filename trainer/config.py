@@ -239,6 +239,12 @@ class Parallelism:
                                       'bidirectional ones with activation outputs, where an '
                                       'output dimension the unsliced operand carries has '
                                       'even size)')
+  gather_pairs: str = _key('joined', "a bidirectional all-gather ring's two blocks a "
+                                     'round, where their products go to different parts '
+                                     'of the output: joined (one einsum over both; the '
+                                     'blocks copied together and the product split apart) '
+                                     '| apart (an einsum a block, each product written '
+                                     'where it goes; the other operand read twice a round)')
 
 
 @dataclasses.dataclass(frozen=True)
