@@ -398,7 +398,11 @@ def render_compute_terms(aot: dict) -> list[str]:
           '+0.84 s HBM-bound), and one einsum for both would write their blocks joined, to be '
           'copied apart (docs/paper_scale.md: at 500B, compute 1.108x the baseline\'s). The '
           'additions left are those weight gradients\'. Where they alone exceed the '
-          'allowance, no form of these rings tried meets the target. For comparison, the '
+          'allowance, no form of these rings tried meets the target. Among the other ring '
+          'non-matmul work, a two-way all-gather ring joins each round\'s two blocks for one '
+          'einsum and splits its product apart, unless each block has an einsum of its own '
+          '(`parallelism.gather_pairs=\'apart\'`: the 500B\'s and moe_1t\'s; the 64B\'s '
+          'backward rings then hide less, docs/paper_scale.md). For comparison, the '
           'compute the compiler\'s own decomposition adds (the xla variant, '
           'XLA\'s windowed einsum, at the same layout) and its multiple of the allowance.', ''
           ] + _table(['config', 'compute change', 'matmul at MXU rate', 'HBM-bound excess',

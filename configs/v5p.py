@@ -47,7 +47,8 @@ LAYOUTS = {
     # them (its ring settings, v4's too: ours 9.001 -> 8.819 s, modeled; 8.871 s since the
     # all-gather rings wait for each round's einsum; 8.777 s with v4's ring schedule and
     # accumulators' layout; 8.643 s with v4's one-way rings' additions fused in halves,
-    # 8.665 s with its two-way activation rings' too)
+    # 8.665 s with its two-way activation rings' too; 8.660 s with its two-way all-gather
+    # rings an einsum a block)
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
                    'model.cast_in_loop': False, 'parallelism.gradient_accumulators': 'any',
                    'optimizer.mu_dtype': 'param', 'optimizer.nu_dtype': 'param'},
