@@ -53,6 +53,23 @@ def _shapes(eq, specs, mesh, base):
   return tuple(size(l) for l in lhs), tuple(size(l) for l in rhs)
 
 
+def _operands(pattern, mesh, base: int = 2):
+  """Random (x, w) for ``pattern`` on ``mesh``: each letter ``base`` times its mesh sizes."""
+  eq, ls, rs, os_ = pattern[:4]
+  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', base))
+  return (jax.random.normal(jax.random.key(0), lhs_shape),
+          jax.random.normal(jax.random.key(1), rhs_shape))
+
+
+def _on_ring_of_8(pattern, mode: str):
+  """(mesh, x, w, decision) for ``pattern`` decomposed over tensor = 8 in ``mode``."""
+  eq, ls, rs, os_ = pattern[:4]
+  mesh = _mesh(8, 1)
+  x, w = _operands(pattern, mesh)
+  return mesh, x, w, explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls,
+                             rhs_spec=rs, out_spec=os_, mode=mode)
+
+
 def _rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return np.linalg.norm(a - b) / np.linalg.norm(b)
@@ -919,12 +936,7 @@ def test_weight_gradient_ring_in_another_mode_matches_einsum(pattern):
   # reduce-scatter forward's data gradient does not hand its gathered cotangent on (that
   # is for a weight gradient over another axis).
   eq, ls, rs, os_, _ = pattern
-  mesh = _mesh(8, 1)
-  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdf', 2))
-  x = jax.random.normal(jax.random.key(0), lhs_shape)
-  w = jax.random.normal(jax.random.key(1), rhs_shape)
-  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-              out_spec=os_, mode='unidirectional')
+  mesh, x, w, d = _on_ring_of_8(pattern, 'unidirectional')
   d = dataclasses.replace(d, backward_over=(None, (T, 'bidirectional')))
   assert d.gradient(1) == 'bidirectional over tensor'
   f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_)
@@ -989,9 +1001,7 @@ def test_odd_rings_match_einsum(pattern, n):
   # n - 1 steps one way. The gradients' rings (transposed kinds) run odd too.
   eq, ls, rs, os_, kind = pattern
   mesh = _ring_mesh(n)
-  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdf', 1))
-  x = jax.random.normal(jax.random.key(0), lhs_shape)
-  w = jax.random.normal(jax.random.key(1), rhs_shape)
+  x, w = _operands(pattern, mesh, 1)
   assert explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
                  out_spec=os_, mode='bidirectional').collective == kind
   for mode in ('unidirectional', 'bidirectional'):
@@ -1092,12 +1102,7 @@ def test_gather_pairs_apart_run_an_einsum_a_block_with_the_same_values(pattern):
   # round's pair, each product written where it goes: (N-1)//2 more einsums for N = 8 than
   # one over the pair joined. Reduce-scatter and contracting rings keep one einsum a round.
   eq, ls, rs, os_, kind = pattern
-  mesh = _mesh(8, 1)
-  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 2))
-  x = jax.random.normal(jax.random.key(0), lhs_shape)
-  w = jax.random.normal(jax.random.key(1), rhs_shape)
-  d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-              out_spec=os_, mode='bidirectional')
+  mesh, x, w, d = _on_ring_of_8(pattern, 'bidirectional')
   dots = _pairs_dots(d, eq, ls, rs, os_, mesh, x, w)
   more = [a - j for a, j in zip(dots['apart'], dots['joined'])]
   # the forward's ring (all-gather patterns; their gradients' rings reduce-scatter or
@@ -1132,9 +1137,7 @@ def test_even_bidirectional_rings_match_einsum(pattern, n):
   # reduce-scatter over two contracted dims, with the opposite block in halves.
   eq, ls, rs, os_, _ = pattern
   mesh = _mesh(n, data=1)
-  lhs_shape, rhs_shape = _shapes(eq, (ls, rs, os_), mesh, dict.fromkeys('btdfnh', 1))
-  x = jax.random.normal(jax.random.key(0), lhs_shape)
-  w = jax.random.normal(jax.random.key(1), rhs_shape)
+  x, w = _operands(pattern, mesh, 1)
   _assert_ring_matches_einsum(eq, ls, rs, os_, mesh, x, w, 'bidirectional')
 
 
