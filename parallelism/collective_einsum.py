@@ -199,7 +199,7 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
 
 
 def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
-                     form: '_Priced', enabled: bool) -> Decision:
+                     form: _Priced, enabled: bool) -> Decision:
   """``plain`` (a forward left to the compiler, under auto), with each gradient einsum
   that reduce-scatters over an axis as a ring over it where the cost model says that
   ring costs less than the compiler's reduce-scatter, which blocks the chip; only where
@@ -234,7 +234,7 @@ def _blocking(which: str, ring: tuple[str, str]) -> str:
 
 
 def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
-                    mesh, hardware, form: '_Priced', sharded: bool = False):
+                    mesh, hardware, form: _Priced, sharded: bool = False):
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; and
   the modeled seconds of each one's forms (``Decision.gradient_seconds``).
 
@@ -315,7 +315,7 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
 
 
 def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,
-              form: '_Priced') -> cost_model.Estimate:
+              form: _Priced) -> cost_model.Estimate:
   """The cost model's estimate for a ring over ``plan.axis``, operands as a device holds
   them in that ring."""
   return cost_model.estimate(eq, plan, *shapes, dtype, mesh, hardware,
@@ -326,7 +326,7 @@ def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware
 
 
 def _choose_axis(eq, candidates, shapes, specs, dtype, mesh, hardware,
-                 form: '_Priced') -> AxisPlan:
+                 form: _Priced) -> AxisPlan:
   """The axis whose collective costs most; ``tensor`` when there is no model."""
   if len(candidates) == 1 or hardware is None:
     named = [p for p in candidates if p.axis == 'tensor']
