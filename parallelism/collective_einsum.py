@@ -983,10 +983,12 @@ def default_layout(x: jax.Array) -> jax.Array:
 
 
 def _keeping(consume, consume_pair, dim, m, contiguous: bool = False):
-  """``consume`` and ``consume_pair`` (None: ``consume`` once a block) over (acc, whole):
-  each block also written into ``whole`` at its source's offset along ``dim``. With ``contiguous``, ``whole`` (the
-  cotangent a weight-gradient ring over another axis slices next, along its last
-  dimension) is laid out for that ring's blocks (``contiguous_blocks``)."""
+  """``consume`` and ``consume_pair`` over (acc, whole): each block also written into
+  ``whole`` at its source's offset along ``dim``; a ``consume_pair`` of None stays None
+  (``ring.all_gather_einsum`` then keeps each block of a pair alone). With
+  ``contiguous``, ``whole`` (the cotangent a weight-gradient ring over another axis slices
+  next, along its last dimension) is laid out for that ring's blocks
+  (``contiguous_blocks``)."""
   lay = (lambda w: contiguous_blocks(w, w.ndim - 1)) if contiguous else (lambda w: w)
   put = lambda whole, block, src: lay(
       jax.lax.dynamic_update_slice_in_dim(whole, block, src * m, dim))
@@ -997,8 +999,6 @@ def _keeping(consume, consume_pair, dim, m, contiguous: bool = False):
 
   def keep_pair(carry, a, src_a, b, src_b):
     acc, whole = carry
-    acc = (consume(consume(acc, a, src_a), b, src_b) if consume_pair is None
-           else consume_pair(acc, a, src_a, b, src_b))
-    return acc, put(put(whole, a, src_a), b, src_b)
+    return consume_pair(acc, a, src_a, b, src_b), put(put(whole, a, src_a), b, src_b)
 
-  return keep_one, keep_pair
+  return keep_one, None if consume_pair is None else keep_pair
