@@ -93,7 +93,8 @@ class Ops:
   def einsum(self, equation: str, x: jax.Array, w: jax.Array, *,
              x_axes: Axes, w_axes: Axes, out_axes: Axes,
              name: str, save_as: str | None = None,
-             save_parts: tuple[int, tuple[str, ...]] | None = None) -> jax.Array:
+             save_parts: tuple[int, tuple[str, ...]] | None = None,
+             position_wise: tuple[tuple[str, ...], str] | None = None) -> jax.Array:
     """A dense layer's einsum ``x . w``; accumulates in at least fp32.
 
     Args:
@@ -107,8 +108,13 @@ class Ops:
       save_as: the result's name for remat policies (``checkpoint_name``).
       save_parts: ``(dim, names)``: the equal parts of the result along ``dim``, each
         named for remat policies instead, where the einsum is decomposed (``saved``).
+      position_wise: ``(producers, consumer)``, layer paths, this one among them: the
+        producers' results reach the consumer's ``x`` through position-wise work only
+        (an MLP's activation). Where all of them are rings over one mesh axis, the
+        sharded Ops leaves the blocks between them in the order the rings pass them
+        (``ring.ring_position``), not put back in order; the results are the same.
     """
-    del x_axes, w_axes, name, save_parts
+    del x_axes, w_axes, name, save_parts, position_wise
     out = jnp.einsum(equation, x, w, preferred_element_type=jnp.float32)
     return saved(self.constrain(out.astype(x.dtype), out_axes), save_as)
 

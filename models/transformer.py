@@ -311,23 +311,26 @@ class Mlp(nnx.Module):
     hid = ('batch', 'length', 'mlp')
     gate, up = (weight(w[...], dt, self.cfg.grads_in_param_dtype)
                 for w in (self.gate_df, self.up_df))
+    names = ('gate_up',) if self.cfg.fused_projections else ('gate', 'up')
+    # the SwiGLU between them is position-wise: its tokens may stay in ring order
+    chain = (tuple(f'{self.path}.{n}' for n in names), f'{self.path}.down')
     if self.cfg.fused_projections:  # one einsum over both weights
       both = ops.einsum('btd,sdf->btsf', x_btd, jnp.stack([gate, up]), x_axes=RESIDUAL,
                         w_axes=(None, 'embed', 'mlp'), out_axes=('batch', 'length', None, 'mlp'),
                         name=f'{self.path}.gate_up', save_as='mlp_gate_up',
-                        save_parts=(2, ('mlp_gate', 'mlp_up')))
+                        save_parts=(2, ('mlp_gate', 'mlp_up')), position_wise=chain)
       gated, upped = both[:, :, 0], both[:, :, 1]
     else:
       proj = lambda w, name: ops.einsum('btd,df->btf', x_btd, w, x_axes=RESIDUAL,
                                         w_axes=('embed', 'mlp'), out_axes=hid,
-                                        name=f'{self.path}.{name}')
+                                        name=f'{self.path}.{name}', position_wise=chain)
       gated, upped = (checkpoint_name(proj(w, n), f'mlp_{n}') for w, n in
                       ((gate, 'gate'), (up, 'up')))
     h_btf = jax.nn.silu(gated) * upped
     down = weight(self.down_fd[...], dt, self.cfg.grads_in_param_dtype)
     return checkpoint_name(ops.einsum(
-        'btf,fd->btd', h_btf, down, x_axes=hid,
-        w_axes=('mlp', 'embed'), out_axes=RESIDUAL, name=f'{self.path}.down'), 'mlp_down')
+        'btf,fd->btd', h_btf, down, x_axes=hid, w_axes=('mlp', 'embed'), out_axes=RESIDUAL,
+        name=f'{self.path}.down', position_wise=chain), 'mlp_down')
 
 
 class Block(nnx.Module):

@@ -449,8 +449,16 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                  unroll: int = 1, ring_dtype: str = 'compute',
                  block_layout: str = 'compiler', last_contribution: str = 'fused',
                  weight_gradient_gather: str = 'beside',
-                 ring_additions: str = 'apart', gather_pairs: str = 'joined') -> jax.Array:
-  """Computes the einsum as ``decision`` (from ``explain``) says."""
+                 ring_additions: str = 'apart', gather_pairs: str = 'joined',
+                 ring_order: str = '') -> jax.Array:
+  """Computes the einsum as ``decision`` (from ``explain``) says.
+
+  ``ring_order`` ('lhs' or 'out'; '' none) names the operand or result whose blocks along
+  the ring's dimension are in ring order on each device (``ring.ring_position``): where
+  only position-wise work lies between a ring that gathers an activation and one that
+  scatters it back, the tokens need not be put back in order between them
+  (``ring_order_fits`` says where it may be asked).
+  """
   for key, value, allowed in (('block_layout', block_layout, BLOCK_LAYOUTS),
                               ('last_contribution', last_contribution, LAST_CONTRIBUTIONS),
                               ('weight_gradient_gather', weight_gradient_gather,
@@ -459,6 +467,9 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                               ('gather_pairs', gather_pairs, GATHER_PAIRS)):
     if value not in allowed:
       raise ValueError(f'{key}={value!r} is not one of {allowed}')
+  if ring_order and not ring_order_fits(decision, lhs_spec, rhs_spec, out_spec, ring_order):
+    raise ValueError(f'{decision.equation}: ring_order={ring_order!r} needs every einsum of it '
+                     f'a ring over {decision.axis} holding the {ring_order} whole along it')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
@@ -471,9 +482,38 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                   decision.backward, decision.backward_over, block_layout == 'contiguous',
                   last_contribution == 'apart', weight_gradient_gather == 'before',
                   fused_additions=ring_additions == 'fused',
-                  apart_pairs=gather_pairs == 'apart')
+                  apart_pairs=gather_pairs == 'apart', ring_order=ring_order)
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
+
+
+def ring_order_fits(decision: Decision, lhs_spec, rhs_spec, out_spec, array: str) -> bool:
+  """Whether ``array`` ('lhs', 'rhs' or 'out') of the einsum ``decision`` runs can hold its
+  blocks in ring order: the forward and both gradients are rings over the same axis, and
+  each holds that array (or, in a gradient, its counterpart) whole along its ring."""
+  if (decision.mode == 'none' or decision.backward != ('ring', 'ring') or
+      any(o is not None and o[0] != decision.axis for o in decision.backward_over)):
+    return False
+  cfg = _Static(decision.equation, None, PartitionSpec(*lhs_spec), PartitionSpec(*rhs_spec),
+                PartitionSpec(*out_spec), decision.axis, decision.mode == 'bidirectional', 1,
+                backward_over=decision.backward_over, ring_order=array)
+  return all(_whole_along_ring(c) == c.ring_order
+             for c in (cfg, cfg.transposed('lhs'), cfg.transposed('rhs')))
+
+
+def _whole_along_ring(cfg: _Static) -> str | None:
+  """Which of (lhs, rhs, out) the ring of ``cfg`` holds whole along its dimension: an
+  all-gather ring's result or the operand it does not gather, a reduce-scatter ring's
+  sliced operand (None: not a ring)."""
+  eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  plan = next((p for p in plans if p.axis == cfg.axis), None)
+  if plan is None or plan.kind not in DECOMPOSABLE:
+    return None
+  if plan.kind == 'allgather_free':
+    return 'out'
+  if plan.kind == 'allgather_contracting':
+    return 'rhs' if plan.gathered == 'lhs' else 'lhs'
+  return 'lhs' if plan.out_letter in eq.lhs else 'rhs'
 
 
 def _plain(equation: str, lhs, rhs, dtype, wire_fp32: bool):
@@ -514,6 +554,10 @@ class _Static:
   fused_additions: bool = False  # ring_additions='fused' (reduce-scatters, _Ring's)
   apart_pairs: bool = False  # gather_pairs='apart' (_Ring's)
   activation_out: bool = True  # the output is an activation (not a weight's gradient)
+  # Which of (lhs, rhs, out) holds its blocks along the ring's dimension in ring order
+  # (``ring.ring_position``; '' none): the array every ring of this einsum holds whole
+  # there (``ring_order_fits``)
+  ring_order: str = ''
 
   def transposed(self, which: str) -> '_Static':
     """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs'), over the
@@ -527,10 +571,13 @@ class _Static:
     else:
       equation, specs = f'{eq.lhs},{eq.out}->{eq.rhs}', (self.lhs_spec, self.out_spec,
                                                            self.rhs_spec)
+    # the gradient einsum's (lhs, rhs, out) are this one's (out, rhs, lhs) or (lhs, out, rhs)
+    order = ({'out': 'lhs', 'rhs': 'rhs', 'lhs': 'out'} if which == 'lhs' else
+             {'lhs': 'lhs', 'out': 'rhs', 'rhs': 'out'}).get(self.ring_order, '')
     return dataclasses.replace(self, equation=equation, lhs_spec=specs[0],
                                rhs_spec=specs[1], out_spec=specs[2], axis=axis,
                                bidirectional=mode == 'bidirectional', last_apart=False,
-                               activation_out=which == 'lhs')
+                               activation_out=which == 'lhs', ring_order=order)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -651,6 +698,9 @@ class _Ring:
   # gather_pairs='apart': a bidirectional all-gather ring without partial sums runs an einsum
   # a block, each product written where it goes, not one einsum over the pair joined
   apart_pairs: bool = False
+  # the array the ring holds whole along its dimension has its blocks in ring order
+  # (``ring.ring_position``; ``_Static.ring_order``)
+  ring_order: bool = False
 
 
 def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
@@ -704,7 +754,10 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
             cfg.last_apart, cfg.contiguous and cfg.activation_out,
             cfg.fused_additions and (cfg.activation_out or not cfg.bidirectional),
-            cfg.apart_pairs)
+            cfg.apart_pairs, bool(cfg.ring_order))
+  if cfg.ring_order and _whole_along_ring(cfg) != cfg.ring_order:
+    raise ValueError(f'{named}: ring order on its {cfg.ring_order}, but its ring holds the '
+                     f'{_whole_along_ring(cfg)} whole')
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -851,10 +904,11 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   wire = r.wire
 
   other, other_letters = (rhs, eq.rhs) if on_lhs else (lhs, eq.lhs)
+  at = lambda k: ring.ring_position(k, idx, r.n, r.ring_order)  # where block k sits
   halved = _halved_letter(eq, z, other_letters, other.shape) if r.fused_additions else None
 
   def partial(*ks, after=None, half=None):  # one einsum for the output blocks ks, joined along z
-    piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, k * block, block, dim)
+    piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, at(k) * block, block, dim)
                              for k in ks], axis=dim)
     # The wait is on the operand that is not sliced (a weight, already whole): on the
     # sliced one, whatever produces it would be written out whole first (64B: the
@@ -893,6 +947,7 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
   local_eq = f'{g_letters},{o_letters}->{eq.out}'
   x = plan.letter
   m = g.shape[g_letters.index(x)]
+  at = lambda k: ring.ring_position(k, idx, n, r.ring_order) * m  # where block k goes
   if plan.kind == 'allgather_free':
     out_dim = eq.out.index(x)
     # Unidirectional with no loop: the parts are joined once (ring.all_gather_apart). A
@@ -901,7 +956,7 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
     if not r.keep and not r.split[1] and (r.unroll is True or r.unroll >= n - 1):
       return ring.all_gather_apart(g, lambda block: jnp.einsum(
           local_eq, block, o, preferred_element_type=acc_dtype).astype(dtype),
-          axis=plan.axis, n=n, idx=idx, dim=out_dim)
+          axis=plan.axis, n=n, idx=idx, dim=out_dim, ring_order=r.ring_order)
     out_shape = jax.eval_shape(lambda a, b: jnp.einsum(local_eq, a, b), g, o).shape
     out_shape = out_shape[:out_dim] + (m * n,) + out_shape[out_dim + 1:]
     # Every block is written before it is read: no zero-fill
@@ -912,12 +967,12 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
       both = jnp.einsum(local_eq, jnp.concatenate([a, b], g_letters.index(x)), o,
                         preferred_element_type=acc_dtype).astype(dtype)
       part_a, part_b = jnp.split(both, 2, axis=out_dim)
-      acc = jax.lax.dynamic_update_slice_in_dim(acc, part_a, src_a * m, out_dim)
-      return jax.lax.dynamic_update_slice_in_dim(acc, part_b, src_b * m, out_dim)
+      acc = jax.lax.dynamic_update_slice_in_dim(acc, part_a, at(src_a), out_dim)
+      return jax.lax.dynamic_update_slice_in_dim(acc, part_b, at(src_b), out_dim)
 
     def consume(acc, block, src):
       part = jnp.einsum(local_eq, block, o, preferred_element_type=acc_dtype)
-      return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), src * m, out_dim)
+      return jax.lax.dynamic_update_slice_in_dim(acc, part.astype(dtype), at(src), out_dim)
 
     if r.apart_pairs:  # ring.all_gather_einsum then consumes each block of a pair alone
       consume_pair = None
@@ -932,13 +987,13 @@ def _all_gather_local(r: _Ring, idx, lhs, rhs):
     acc = jax.lax.pcast(jnp.zeros(out_shape, wire), r.manual, to='varying')
 
     def consume_pair(acc, a, src_a, b, src_b):  # both blocks contracted in one einsum
-      pieces = [jax.lax.dynamic_slice_in_dim(o, s * m, m, o_dim) for s in (src_a, src_b)]
+      pieces = [jax.lax.dynamic_slice_in_dim(o, at(s), m, o_dim) for s in (src_a, src_b)]
       return ring.sum_rounded(acc, jnp.einsum(
           local_eq, jnp.concatenate([a, b], g_letters.index(x)),
           jnp.concatenate(pieces, o_dim), preferred_element_type=wire))
 
     def consume(acc, block, src):
-      piece = jax.lax.dynamic_slice_in_dim(o, src * m, m, o_dim)
+      piece = jax.lax.dynamic_slice_in_dim(o, at(src), m, o_dim)
       return ring.sum_rounded(acc, jnp.einsum(local_eq, block, piece,
                                               preferred_element_type=wire))
 

@@ -165,7 +165,7 @@ def all_gather_einsum(shard: jax.Array, consume: Callable, acc, *, axis: str, n:
 
 
 def all_gather_apart(shard: jax.Array, consume: Callable, *, axis: str, n: int,
-                     idx: jax.Array, dim: int) -> jax.Array:
+                     idx: jax.Array, dim: int, ring_order: bool = False) -> jax.Array:
   """A unidirectional all-gather ring with no loop whose results are joined once.
 
   ``consume(block)`` maps each device's block, as it passes, to its part of the result
@@ -173,7 +173,9 @@ def all_gather_apart(shard: jax.Array, consume: Callable, *, axis: str, n: int,
   along ``dim`` and rolled so that device k's part sits at offset k. Written into a
   buffer one by one instead, each part left the einsum in its own layout and was copied
   into the buffer's before the write (dense_64b's gate/up ring; docs/paper_scale.md); the
-  join writes the whole result once, in the layout its readers take.
+  join writes the whole result once, in the layout its readers take. With
+  ``ring_order`` the parts stay in the order they arrived (``ring_position``), not rolled:
+  the roll wrote the result twice over (dense_64b: 0.028 s a step).
   """
   parts = [consume(shard)]
   nxt = recv_from(shard, axis, n, +1) if n > 1 else None
@@ -181,7 +183,16 @@ def all_gather_apart(shard: jax.Array, consume: Callable, *, axis: str, n: int,
     block, nxt = nxt, (recv_from(nxt, axis, n, +1) if s < n - 1 else None)
     parts.append(consume(block))
   joined = jnp.concatenate(parts, dim)
-  return joined if n == 1 else jnp.roll(joined, idx * parts[0].shape[dim], axis=dim)
+  if n == 1 or ring_order:
+    return joined
+  return jnp.roll(joined, idx * parts[0].shape[dim], axis=dim)
+
+
+def ring_position(k, idx, n: int, ring_order: bool):
+  """Where device ``k``'s block sits along the ring's dimension of an array that device
+  ``idx`` holds whole: at ``k``, or, in ring order, at ``(k - idx) mod n`` (the order an
+  all-gather ring's blocks arrive in from the right, this device's own first)."""
+  return (k - idx) % n if ring_order else k
 
 
 def halves_dim(x: jax.Array) -> int | None:

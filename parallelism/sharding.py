@@ -26,7 +26,8 @@ from parallelism import mesh as mesh_lib
 from parallelism import moe
 from parallelism.collective_einsum import (
     BLOCK_LAYOUTS, GATHER_PAIRS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS, LAST_CONTRIBUTIONS,
-    RING_ADDITIONS, RING_DTYPES, WEIGHT_GRADIENT_GATHERS, explain, run_decision, unroll_problem)
+    RING_ADDITIONS, RING_DTYPES, WEIGHT_GRADIENT_GATHERS, explain, ring_order_fits, run_decision,
+    unroll_problem)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -230,7 +231,7 @@ class ShardedOps(Ops):
     return jax.lax.with_sharding_constraint(x, sharding)
 
   def einsum(self, equation, x, w, *, x_axes, w_axes, out_axes, name, save_as=None,
-             save_parts=None):
+             save_parts=None, position_wise=None):
     specs = tuple(self.spec(a) for a in (x_axes, w_axes, out_axes))
     decision = self._decision(name, specs, lambda: self.policy.choose(
         lambda mode: explain(
@@ -249,8 +250,27 @@ class ShardedOps(Ops):
                          last_contribution=self.policy.last_contribution,
                          weight_gradient_gather=self.policy.weight_gradient_gather,
                          ring_additions=self.policy.ring_additions,
-                         gather_pairs=self.policy.gather_pairs)
+                         gather_pairs=self.policy.gather_pairs,
+                         ring_order=self.ring_order(name, position_wise))
     return saved(out, save_as, save_parts if decision.mode != 'none' else None)
+
+  def ring_order(self, name: str, position_wise) -> str:
+    """``run_decision``'s ``ring_order`` for layer ``name`` of ``position_wise`` (see
+    ``Ops.einsum``): 'out' for a producer, 'lhs' for the consumer, where the plan runs
+    every einsum of all of them as rings over one axis that can keep ring order
+    (``ring_order_fits``); else ''. Decided from the plan alone, so that each end of
+    the chain sees the same answer."""
+    if position_wise is None or self._plan is None:
+      return ''
+    producers, consumer = position_wise
+    ends = [(p, 'out') for p in producers] + [(consumer, 'lhs')]
+    if any(p not in self._plan for p, _ in ends):
+      return ''
+    planned = [(self._plan[p], array) for p, array in ends]
+    if len({layer.decision.axis for layer, _ in planned}) != 1 or not all(
+        ring_order_fits(layer.decision, *layer.specs, array) for layer, array in planned):
+      return ''
+    return 'lhs' if name == consumer else 'out'
 
   def local(self, fn, *args, in_axes, out_axes):
     """``fn`` in a ``shard_map`` over the whole mesh, on the blocks the specs give."""

@@ -114,6 +114,19 @@ def test_plain_layers_stay_plain_under_always(tmp_path):
     _run(tmp_path / 'empty', '--config.parallelism.plain_layers=unembed,')
 
 
+def test_the_mlp_leaves_its_tokens_in_ring_order_only_between_rings(tmp_path):
+  # The SwiGLU is position-wise: between its projections' rings and mlp.down's over the
+  # same axis, the blocks stay in the order the rings pass them (the always-vs-never
+  # losses above run so); with mlp.down plain, its input comes back in order.
+  chain = (('blocks.0.mlp.gate', 'blocks.0.mlp.up'), 'blocks.0.mlp.down')
+  names = chain[0] + (chain[1],)
+  run = _run(tmp_path / 'rings', '--config.parallelism.collective_matmul=always')
+  assert [run.model.ops.ring_order(n, chain) for n in names] == ['out', 'out', 'lhs']
+  run = _run(tmp_path / 'plain', '--config.parallelism.collective_matmul=always',
+             '--config.parallelism.plain_layers=blocks.*.mlp.down')
+  assert [run.model.ops.ring_order(n, chain) for n in names] == ['', '', '']
+
+
 @pytest.fixture(scope='module')
 def setups(tmp_path_factory):
   out = {}

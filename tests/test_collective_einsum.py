@@ -16,7 +16,7 @@ from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, ste
 from parallelism import ring as ring_lib
 from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
                                           GATHER_PAIRS, explain, keeps_cotangent,
-                                          local_elements, run_decision)
+                                          local_elements, ring_order_fits, run_decision)
 from parallelism.einsum_plan import Equation
 
 T, D = 'tensor', 'data'
@@ -1217,3 +1217,71 @@ def test_data_gradient_ring_hands_on_its_cotangent_in_any_ring(tensor, mode):
   loss = lambda a, b: jnp.sum(f(a, b) * weights((4, 4 * tensor, 8)))
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
   assert _collectives(hlo)['all-gather'] == 1
+
+
+# --------------------------------------- ring order between rings with position-wise work
+
+GATE = PATTERNS[0][:4]  # btd,df->btf: an all-gather ring over the tokens, tensor-parallel
+LOWER = PATTERNS[3][:4]  # btf,fd->btd: a reduce-scatter ring back over them
+
+
+def _position_wise_chain(n: int, mode: str):
+  """(mesh, (x, w1, w2), decisions) for GATE -> silu -> LOWER decomposed over tensor = n."""
+  mesh = _ring_mesh(n)
+  x = jax.random.normal(jax.random.key(0), (2, 3 * n, 8))
+  w1 = jax.random.normal(jax.random.key(1), (8, 2 * n))
+  w2 = jax.random.normal(jax.random.key(2), (2 * n, 8))
+  decide = lambda pattern, a, b: explain(pattern[0], a.shape, b.shape, 'float32', mesh=mesh,
+                                         lhs_spec=pattern[1], rhs_spec=pattern[2],
+                                         out_spec=pattern[3], mode=mode)
+  h = jnp.einsum(GATE[0], x, w1)
+  return mesh, (x, w1, w2), (decide(GATE, x, w1), decide(LOWER, h, w2))
+
+
+@pytest.mark.parametrize('mode', ['unidirectional', 'bidirectional'])
+@pytest.mark.parametrize('n', [4, 5])
+def test_tokens_left_in_ring_order_between_two_rings_keep_values_and_gradients(mode, n):
+  # The all-gather ring's result stays in the order its blocks arrived (no roll back), the
+  # SwiGLU-like work between is position-wise, and the reduce-scatter ring and every
+  # gradient ring read that order: the chain's values and all three gradients are the
+  # plain chain's, though the gathered result on its own is not the plain einsum's.
+  mesh, args, (up, down) = _position_wise_chain(n, mode)
+  assert ring_order_fits(up, *GATE[1:], 'out') and ring_order_fits(down, *LOWER[1:], 'lhs')
+  run = lambda d, p, a, b, order: run_decision(d, a, b, mesh=mesh, lhs_spec=p[1],
+                                               rhs_spec=p[2], out_spec=p[3], ring_order=order)
+
+  def chain(x, w1, w2, ordered=True):
+    h = run(up, GATE, x, w1, 'out' if ordered else '')
+    return run(down, LOWER, jax.nn.silu(h) * h, w2, 'lhs' if ordered else '')
+
+  def plain(x, w1, w2):
+    h = jnp.einsum(GATE[0], x, w1)
+    return jnp.einsum(LOWER[0], jax.nn.silu(h) * h, w2)
+
+  np.testing.assert_allclose(jax.jit(chain)(*args), plain(*args), rtol=1e-5, atol=1e-5)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * weights(args[0].shape))
+  got = jax.jit(jax.grad(loss(chain), argnums=(0, 1, 2)))(*args)
+  want = jax.grad(loss(plain), argnums=(0, 1, 2))(*args)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  gathered = jax.jit(lambda x, w: run(up, GATE, x, w, 'out'))(*args[:2])
+  assert not np.allclose(gathered, jnp.einsum(GATE[0], *args[:2]), atol=1e-3)
+  if mode == 'unidirectional':  # the joined parts are no longer rolled into place
+    rolls = lambda ordered: '_roll_dynamic' in str(jax.make_jaxpr(
+        functools.partial(chain, ordered=ordered))(*args))
+    assert rolls(False) and not rolls(True)
+
+
+def test_ring_order_is_refused_where_a_gradient_would_not_read_it():
+  # A gradient as one einsum (the compiler's gather keeps the device order), over another
+  # axis, a plain forward, or an array the ring does not hold whole: no ring order.
+  mesh, (x, w1, _), (up, _) = _position_wise_chain(4, 'unidirectional')
+  over_fsdp = (None, ('fsdp', 'bidirectional'))
+  for decision, array in ((dataclasses.replace(up, backward=('ring', 'none')), 'out'),
+                          (dataclasses.replace(up, backward_over=over_fsdp), 'out'),
+                          (dataclasses.replace(up, mode='none'), 'out'),
+                          (up, 'lhs')):
+    assert not ring_order_fits(decision, *GATE[1:], array)
+    with pytest.raises(ValueError, match=f"ring_order='{array}'"):
+      run_decision(decision, x, w1, mesh=mesh, lhs_spec=GATE[1], rhs_spec=GATE[2],
+                   out_spec=GATE[3], ring_order=array)
