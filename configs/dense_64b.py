@@ -54,9 +54,13 @@ def get_config() -> ml_collections.ConfigDict:
   # The 500B's additions fused in halves pay here too (modeled, v4: ours 4.702 -> 4.573 s;
   # additions 0.155 -> 0 s; 4.649 s with the one-way rings' alone).
   c.parallelism.ring_additions = 'fused'
-  # An einsum a block in two-way all-gather rings saves their pairs' copies (compute 3.896
-  # -> 3.866 s) but the backward's rings then hide less of their transfers: 4.633 s.
-  c.parallelism.gather_pairs = 'joined'
+  # attn.o left plain (its forward ring was link-bound: 0.147 s a step exposed of its
+  # 0.420 s of transfers) and two-way all-gather rings an einsum a block (no copies of
+  # each round's pair): ours' compute within 5% of the baseline's, 3.818 s against the
+  # 3.828 s it allows (modeled, v4), the step 4.570 s; with attn.o ringed and the pairs
+  # joined, 3.866 s (1.060x) and 4.549 s (docs/paper_scale.md).
+  c.parallelism.plain_layers = 'blocks.*.attn.o'
+  c.parallelism.gather_pairs = 'apart'
   # The chip's flags only: the 500B's ICI pipelining makes both slower here (modeled:
   # baseline 5.019 -> 5.103 s, ours 4.649 -> 4.671 s with two ring steps per iteration).
   c.hardware.xla_flags = 'default'

@@ -41,7 +41,9 @@ LAYOUTS = {
     'dense_10b': {'batch_size': 512, 'model.remat': 'save_dot_except_qkv'},
     'dense_64b': {'mesh.data': 8, 'mesh.fsdp': 64, 'mesh.tensor': 1, 'batch_size': 1024,
                   'model.remat': 'minimal', 'hardware.xla_flags': ALL_REDUCE_FLAGS,
-                  'parallelism.gradient_rings': 'any_forward'},
+                  'parallelism.gradient_rings': 'any_forward',
+                  # v4's plain attn.o and pairs apart are for its rings over tensor
+                  'parallelism.plain_layers': '', 'parallelism.gather_pairs': 'joined'},
     # v4's casts in the scan, two layers an iteration, sharded gradient accumulators and
     # bf16 moments are for v4's memory; this layout was searched and measured without
     # them (its ring settings, v4's too: ours 9.001 -> 8.819 s, modeled; 8.871 s since the
