@@ -401,8 +401,11 @@ def render_compute_terms(aot: dict) -> list[str]:
           'allowance, no form of these rings tried meets the target. Among the other ring '
           'non-matmul work, a two-way all-gather ring joins each round\'s two blocks for one '
           'einsum and splits its product apart, unless each block has an einsum of its own '
-          '(`parallelism.gather_pairs=\'apart\'`: the 500B\'s and moe_1t\'s; the 64B\'s '
-          'backward rings then hide less, docs/paper_scale.md). For comparison, the '
+          '(`parallelism.gather_pairs=\'apart\'`: every config here with such rings; at 64B '
+          'with `attn.o` left plain, whose link-bound forward ring hid little, '
+          'docs/paper_scale.md), and the gathered tokens between the MLP\'s rings stay in '
+          'the order the ring passed them (the SwiGLU is position-wise), not rolled back '
+          'into place. For comparison, the '
           'compute the compiler\'s own decomposition adds (the xla variant, '
           'XLA\'s windowed einsum, at the same layout) and its multiple of the allowance.', ''
           ] + _table(['config', 'compute change', 'matmul at MXU rate', 'HBM-bound excess',
