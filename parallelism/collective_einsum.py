@@ -97,6 +97,10 @@ class Decision:
   # between them (``_backward_forms``): 'one einsum' or 'MODE over AXIS', each with the
   # compiler's collectives over the axes it leaves, and "compiler's collective over AXIS".
   gradient_seconds: tuple[dict[str, float], dict[str, float]] = ({}, {})
+  # Which of (lhs, rhs, out) holds its blocks along the ring's dimension in the order the
+  # rings pass them ('' none): set by the layer plan for an einsum of a position-wise
+  # chain (``sharding.plan_layers``, ``ring_order_fits``); ``run_decision`` honours it.
+  ring_order: str = ''
 
   @property
   def decomposed(self) -> bool:
@@ -449,15 +453,14 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                  unroll: int = 1, ring_dtype: str = 'compute',
                  block_layout: str = 'compiler', last_contribution: str = 'fused',
                  weight_gradient_gather: str = 'beside',
-                 ring_additions: str = 'apart', gather_pairs: str = 'joined',
-                 ring_order: str = '') -> jax.Array:
+                 ring_additions: str = 'apart', gather_pairs: str = 'joined') -> jax.Array:
   """Computes the einsum as ``decision`` (from ``explain``) says.
 
-  ``ring_order`` ('lhs' or 'out'; '' none) names the operand or result whose blocks along
-  the ring's dimension are in ring order on each device (``ring.ring_position``): where
-  only position-wise work lies between a ring that gathers an activation and one that
-  scatters it back, the tokens need not be put back in order between them
-  (``ring_order_fits`` says where it may be asked).
+  ``decision.ring_order`` ('lhs' or 'out'; '' none) names the operand or result whose
+  blocks along the ring's dimension are in ring order on each device
+  (``ring.ring_position``): where only position-wise work lies between a ring that gathers
+  an activation and one that scatters it back, the tokens need not be put back in order
+  between them (``ring_order_fits`` says where it may be asked).
   """
   for key, value, allowed in (('block_layout', block_layout, BLOCK_LAYOUTS),
                               ('last_contribution', last_contribution, LAST_CONTRIBUTIONS),
@@ -467,9 +470,10 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                               ('gather_pairs', gather_pairs, GATHER_PAIRS)):
     if value not in allowed:
       raise ValueError(f'{key}={value!r} is not one of {allowed}')
-  if ring_order and not ring_order_fits(decision, lhs_spec, rhs_spec, out_spec, ring_order):
-    raise ValueError(f'{decision.equation}: ring_order={ring_order!r} needs every einsum of it '
-                     f'a ring over {decision.axis} holding the {ring_order} whole along it')
+  order = decision.ring_order
+  if order and not ring_order_fits(decision, lhs_spec, rhs_spec, out_spec, order):
+    raise ValueError(f'{decision.equation}: ring_order={order!r} needs every einsum of it '
+                     f'a ring over {decision.axis} holding the {order} whole along it')
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
@@ -482,7 +486,7 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                   decision.backward, decision.backward_over, block_layout == 'contiguous',
                   last_contribution == 'apart', weight_gradient_gather == 'before',
                   fused_additions=ring_additions == 'fused',
-                  apart_pairs=gather_pairs == 'apart', ring_order=ring_order)
+                  apart_pairs=gather_pairs == 'apart', ring_order=order)
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
 

@@ -47,6 +47,8 @@ def rows(plan: Mapping[str, Any]) -> list[dict]:
         'modeled_seconds': est and est.seconds,
         'modeled_gradient_seconds': {w: d.gradient_seconds[k] for k, w in
                                      enumerate(('lhs', 'rhs')) if d.gradient_seconds[k]},
+        # which array keeps the ring's order (its blocks as the rings pass them), if any
+        'ring_order': d.ring_order or None,
     })
   return out
 
@@ -92,7 +94,9 @@ def table(report_rows: list[dict]) -> str:
       step = '-'
     else:
       step = f"{r['modeled_step_compute_us']:.1f} / {r['modeled_step_transfer_us']:.1f}"
-    lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], r['decision'],
+    decision = r['decision'] + (f", {r['ring_order']} in ring order" if r.get('ring_order')
+                                else '')
+    lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], decision,
                   step, _gradients(r)))
   widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
   fmt = lambda l: '  '.join(str(c).ljust(w) for c, w in zip(l, widths)).rstrip()

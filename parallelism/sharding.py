@@ -250,27 +250,14 @@ class ShardedOps(Ops):
                          last_contribution=self.policy.last_contribution,
                          weight_gradient_gather=self.policy.weight_gradient_gather,
                          ring_additions=self.policy.ring_additions,
-                         gather_pairs=self.policy.gather_pairs,
-                         ring_order=self.ring_order(name, position_wise))
+                         gather_pairs=self.policy.gather_pairs)
+    self._declare(position_wise)
     return saved(out, save_as, save_parts if decision.mode != 'none' else None)
 
-  def ring_order(self, name: str, position_wise) -> str:
-    """``run_decision``'s ``ring_order`` for layer ``name`` of ``position_wise`` (see
-    ``Ops.einsum``): 'out' for a producer, 'lhs' for the consumer, where the plan runs
-    every einsum of all of them as rings over one axis that can keep ring order
-    (``ring_order_fits``); else ''. Decided from the plan alone, so that each end of
-    the chain sees the same answer."""
-    if position_wise is None or self._plan is None:
-      return ''
-    producers, consumer = position_wise
-    ends = [(p, 'out') for p in producers] + [(consumer, 'lhs')]
-    if any(p not in self._plan for p, _ in ends):
-      return ''
-    planned = [(self._plan[p], array) for p, array in ends]
-    if len({layer.decision.axis for layer, _ in planned}) != 1 or not all(
-        ring_order_fits(layer.decision, *layer.specs, array) for layer, array in planned):
-      return ''
-    return 'lhs' if name == consumer else 'out'
+  def _declare(self, position_wise) -> None:
+    """A position-wise chain the model declared (``Ops.einsum``): the plan keeps its ring
+    order in the decisions (``_Planner``, ``decision.ring_order``); nothing to do here."""
+    del position_wise
 
   def local(self, fn, *args, in_axes, out_axes):
     """``fn`` in a ``shard_map`` over the whole mesh, on the blocks the specs give."""
@@ -326,10 +313,36 @@ class _Planner(ShardedOps):
   __hash__ = object.__hash__  # what it holds grows while it traces
   __eq__ = object.__eq__
 
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    object.__setattr__(self, 'chains', set())  # every position_wise the model declared
+
   def _decision(self, name, specs, decide):
     decision = decide()
     self._plan[name] = PlannedLayer(decision, specs)
     return decision
+
+  def _declare(self, position_wise):
+    if position_wise is not None:
+      self.chains.add(position_wise)
+
+
+def _with_ring_order(plan: dict[str, PlannedLayer], chains) -> dict[str, PlannedLayer]:
+  """``plan`` with each chain's producers keeping their results in ring order ('out') and
+  its consumer its input ('lhs'; ``Decision.ring_order``), where every einsum of the chain
+  is a ring over one axis that can keep ring order, forward and both gradients
+  (``ring_order_fits``)."""
+  plan = dict(plan)
+  for producers, consumer in sorted(chains):
+    ends = [(p, 'out') for p in producers] + [(consumer, 'lhs')]
+    layers = [(plan.get(p), array) for p, array in ends]
+    if (all(layer is not None for layer, _ in layers) and
+        len({layer.decision.axis for layer, _ in layers}) == 1 and
+        all(ring_order_fits(layer.decision, *layer.specs, array)
+            for layer, array in layers)):
+      plan.update({p: plan[p]._replace(decision=dataclasses.replace(
+          plan[p].decision, ring_order=array)) for p, array in ends})
+  return plan
 
 
 def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules: Rules,
@@ -351,7 +364,7 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
   """
   planner = _Planner(mesh, rules, policy, plan={})
   jax.eval_shape(lambda: forward(planner))
-  plan = dict(planner._plan)  # pylint: disable=protected-access
+  plan = _with_ring_order(planner._plan, planner.chains)  # pylint: disable=protected-access
   unused = [p for p in policy.plain_layers if not any(fnmatch.fnmatchcase(n, p) for n in plan)]
   if unused:
     raise ValueError(f'parallelism.plain_layers: {unused[0]!r} matches no layer (the layers: '

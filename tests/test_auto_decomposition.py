@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from parallelism import hlo_text
+from parallelism import hlo_text, report
 from tests.test_cli import DEFAULT, TINY
 from trainer import loop, state, step, train
 
@@ -117,14 +117,18 @@ def test_plain_layers_stay_plain_under_always(tmp_path):
 def test_the_mlp_leaves_its_tokens_in_ring_order_only_between_rings(tmp_path):
   # The SwiGLU is position-wise: between its projections' rings and mlp.down's over the
   # same axis, the blocks stay in the order the rings pass them (the always-vs-never
-  # losses above run so); with mlp.down plain, its input comes back in order.
-  chain = (('blocks.0.mlp.gate', 'blocks.0.mlp.up'), 'blocks.0.mlp.down')
-  names = chain[0] + (chain[1],)
+  # losses above run so), as the plan and the report say; with mlp.down plain, its input
+  # comes back in order, and so do the projections' results.
+  names = ('blocks.0.mlp.gate', 'blocks.0.mlp.up', 'blocks.0.mlp.down')
   run = _run(tmp_path / 'rings', '--config.parallelism.collective_matmul=always')
-  assert [run.model.ops.ring_order(n, chain) for n in names] == ['out', 'out', 'lhs']
+  assert [run.model.ops.plan[n].decision.ring_order for n in names] == ['out', 'out', 'lhs']
+  rows = {r['path']: r for r in report.rows(run.model.ops.plan)}
+  assert [rows[n]['ring_order'] for n in names] == ['out', 'out', 'lhs']
+  assert rows['blocks.0.attn.o']['ring_order'] is None
+  assert 'unidirectional, lhs in ring order' in report.table(list(rows.values()))
   run = _run(tmp_path / 'plain', '--config.parallelism.collective_matmul=always',
              '--config.parallelism.plain_layers=blocks.*.mlp.down')
-  assert [run.model.ops.ring_order(n, chain) for n in names] == ['', '', '']
+  assert [run.model.ops.plan[n].decision.ring_order for n in names] == ['', '', '']
 
 
 @pytest.fixture(scope='module')

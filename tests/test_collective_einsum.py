@@ -1247,8 +1247,9 @@ def test_tokens_left_in_ring_order_between_two_rings_keep_values_and_gradients(m
   # plain chain's, though the gathered result on its own is not the plain einsum's.
   mesh, args, (up, down) = _position_wise_chain(n, mode)
   assert ring_order_fits(up, *GATE[1:], 'out') and ring_order_fits(down, *LOWER[1:], 'lhs')
-  run = lambda d, p, a, b, order: run_decision(d, a, b, mesh=mesh, lhs_spec=p[1],
-                                               rhs_spec=p[2], out_spec=p[3], ring_order=order)
+  run = lambda d, p, a, b, order: run_decision(dataclasses.replace(d, ring_order=order), a, b,
+                                               mesh=mesh, lhs_spec=p[1], rhs_spec=p[2],
+                                               out_spec=p[3])
 
   def chain(x, w1, w2, ordered=True):
     h = run(up, GATE, x, w1, 'out' if ordered else '')
@@ -1283,5 +1284,5 @@ def test_ring_order_is_refused_where_a_gradient_would_not_read_it():
                           (up, 'lhs')):
     assert not ring_order_fits(decision, *GATE[1:], array)
     with pytest.raises(ValueError, match=f"ring_order='{array}'"):
-      run_decision(decision, x, w1, mesh=mesh, lhs_spec=GATE[1], rhs_spec=GATE[2],
-                   out_spec=GATE[3], ring_order=array)
+      run_decision(dataclasses.replace(decision, ring_order=array), x, w1, mesh=mesh,
+                   lhs_spec=GATE[1], rhs_spec=GATE[2], out_spec=GATE[3])
