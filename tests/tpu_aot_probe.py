@@ -2,11 +2,13 @@
 
 Arguments: mode, kind ('ag' or 'rs'), chip, a layer count (the gradient of a scan over
 that many layers of the einsum; 0: the einsum alone), ``parallelism.ring_additions``
-(default ``apart``) and ``parallelism.gather_pairs`` (default ``joined``). Run by tests/test_tpu_aot.py in its
+(default ``apart``), ``parallelism.gather_pairs`` (default ``joined``), the decision's
+``ring_order`` (default '': none) and ``parallelism.unroll`` (default 1). Run by tests/test_tpu_aot.py in its
 own process: LIBTPU_INIT_ARGS (which turns XLA's own windowed einsum off) is read once per
 process. Prints the scheduled TPU HLO.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -26,7 +28,8 @@ SLICES = {'tpu_v4': 'v4:2x2x2', 'tpu_v5p': 'v5p:2x2x2', 'tpu_v5e': 'v5e:2x4', 't
 
 
 def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0',
-         ring_additions: str = 'apart', gather_pairs: str = 'joined'):
+         ring_additions: str = 'apart', gather_pairs: str = 'joined', ring_order: str = '',
+         unroll: str = '1'):
   layers = int(layers)
   tpu = hardware.get_profile(chip).tpu
   topo = topologies.get_topology_desc(platform='tpu', topology_name=SLICES[chip],
@@ -41,9 +44,10 @@ def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0',
   else:
     eq, ls, rs, specs = 'tf,fd->td', (8192, 16384), (16384, 4096), (P(None, t), P(t, None), P(t, None))
   kw = dict(mesh=mesh, lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2])
-  einsum = lambda x, w: run_decision(explain(eq, x.shape, w.shape, x.dtype, mode=mode, **kw),
-                                     x, w, ring_additions=ring_additions,
-                                     gather_pairs=gather_pairs, **kw)
+  decide = lambda x, w: dataclasses.replace(
+      explain(eq, x.shape, w.shape, x.dtype, mode=mode, **kw), ring_order=ring_order)
+  einsum = lambda x, w: run_decision(decide(x, w), x, w, ring_additions=ring_additions,
+                                     gather_pairs=gather_pairs, unroll=int(unroll), **kw)
   f = jax.jit(einsum)
   arg_specs = specs
   if layers:  # the gradient of a scan over stacked weights, as a train step's layers
