@@ -758,10 +758,7 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
             cfg.last_apart, cfg.contiguous and cfg.activation_out,
             cfg.fused_additions and (cfg.activation_out or not cfg.bidirectional),
-            cfg.apart_pairs, bool(cfg.ring_order))
-  if cfg.ring_order and _whole_along_ring(cfg) != cfg.ring_order:
-    raise ValueError(f'{named}: ring order on its {cfg.ring_order}, but its ring holds the '
-                     f'{_whole_along_ring(cfg)} whole')
+            cfg.apart_pairs, bool(cfg.ring_order))  # run_decision checked it fits
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
