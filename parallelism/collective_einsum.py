@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import layout
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallelism import cost_model, einsum_plan, ring
+from parallelism import cost_model, einsum_plan, pair_sums, ring
 from parallelism.einsum_plan import AxisPlan, Equation
 
 MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
@@ -52,8 +52,10 @@ LAST_CONTRIBUTIONS = ('fused', 'apart')
 # A reduce-scatter ring's additions of partial sums (``parallelism.ring_additions``): a
 # pass of their own after each step's einsum, or fused into the einsums, each accumulator
 # travelling in two halves that take turns (``ring._in_halves``; ``_Ring.fused_additions``
-# says which rings).
-RING_ADDITIONS = ('apart', 'fused')
+# says which rings); or as fused, and each round of an even bidirectional weight-gradient
+# ring one Pallas kernel for both directions (``parallelism/pair_sums.py``;
+# ``_Ring.pair_kernel``, ``_kernel_form``).
+RING_ADDITIONS = ('apart', 'fused', 'kernel')
 # A bidirectional all-gather ring's two blocks a round, whose products go to different parts
 # of the output (``parallelism.gather_pairs``): joined through one einsum (the blocks copied
 # together, the product split apart: two copies a round), or apart, an einsum a block, each
@@ -485,7 +487,8 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
                   decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
                   decision.backward, decision.backward_over, block_layout == 'contiguous',
                   last_contribution == 'apart', weight_gradient_gather == 'before',
-                  fused_additions=ring_additions == 'fused',
+                  fused_additions=ring_additions in ('fused', 'kernel'),
+                  pair_kernel=ring_additions == 'kernel',
                   apart_pairs=gather_pairs == 'apart', ring_order=order)
     out = _decomposed(cfg, lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
@@ -556,6 +559,7 @@ class _Static:
   last_apart: bool = False  # last_contribution='apart' (the forward's rings only)
   gather_first: bool = False  # weight_gradient_gather='before'
   fused_additions: bool = False  # ring_additions='fused' (reduce-scatters, _Ring's)
+  pair_kernel: bool = False  # ring_additions='kernel' (_Ring's)
   apart_pairs: bool = False  # gather_pairs='apart' (_Ring's)
   activation_out: bool = True  # the output is an activation (not a weight's gradient)
   # Which of (lhs, rhs, out) holds its blocks along the ring's dimension in ring order
@@ -699,6 +703,10 @@ class _Ring:
   # is an activation (a weight gradient's einsums, one a direction, would read the
   # activation each round twice: HBM-bound, dense_500b +0.84 s a step)
   fused_additions: bool = False
+  # ring_additions='kernel': an even bidirectional weight-gradient ring runs each round as
+  # one Pallas kernel for both directions (``_pair_kernel_ring``), where ``_kernel_form``
+  # fits: 'mosaic' (compiled for a TPU), 'interpret' (Pallas's interpreter elsewhere), or ''
+  pair_kernel: str = ''
   # gather_pairs='apart': a bidirectional all-gather ring without partial sums runs an einsum
   # a block, each product written where it goes, not one einsum over the pair joined
   apart_pairs: bool = False
@@ -745,6 +753,14 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   passing = tuple(a for a in _passing_axes(eq, cfg.axis, lhs_spec, rhs_spec, cfg.out_spec)
                   if a not in summed and cfg.mesh.shape[a] > 1)
   manual = (cfg.axis,) + summed + passing
+  # A Mosaic kernel runs only where every mesh axis is manual: a pair-kernel ring needs
+  # every axis of size > 1 manual already and makes the others (of size 1) manual too.
+  kernel = cfg.pair_kernel and cfg.bidirectional and not cfg.activation_out and n % 2 == 0
+  ones = tuple(a for a in cfg.mesh.axis_names if a not in manual)
+  if kernel and all(cfg.mesh.shape[a] == 1 for a in ones):
+    manual += ones
+  else:
+    kernel = False
   keep = lambda spec: PartitionSpec(*[
       einsum_plan.spec_entry(tuple(a for a in einsum_plan.axes_of(e) if a in manual))
       for e in spec])
@@ -758,6 +774,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
             _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
             cfg.last_apart, cfg.contiguous and cfg.activation_out,
             cfg.fused_additions and (cfg.activation_out or not cfg.bidirectional),
+            ('' if not kernel else
+             'mosaic' if cfg.mesh.devices.flat[0].platform == 'tpu' else 'interpret'),
             cfg.apart_pairs, bool(cfg.ring_order))  # run_decision checked it fits
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
@@ -772,8 +790,11 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
                         in_specs=(PartitionSpec(cfg.axis), keep(lhs_spec), keep(rhs_spec)),
                         out_specs=out_spec, axis_names=set(manual),
                         # every device of the ring holds the same whole operand, which the
-                        # type check cannot see in blocks written one ring step at a time
-                        check_vma=not keep_gathered)(ring.ring_positions(n), lhs, rhs)
+                        # type check cannot see in blocks written one ring step at a time;
+                        # nor can it follow a kernel's varying block indices (Pallas's
+                        # interpreter) or outputs (Mosaic's, over the size-1 axes made manual)
+                        check_vma=not keep_gathered and not r.pair_kernel)(
+                            ring.ring_positions(n), lhs, rhs)
   if not keep_gathered:
     return out
   old, new = ((before.lhs, eq.lhs) if plan.gathered == 'lhs' else (before.rhs, eq.rhs))
@@ -905,6 +926,9 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   wire = r.wire
 
   other, other_letters = (rhs, eq.rhs) if on_lhs else (lhs, eq.lhs)
+  form = _kernel_form(eq, z, owner.shape, other.shape) if r.pair_kernel else None
+  if form is not None:
+    return _pair_kernel_ring(r, idx, owner, other, *form).astype(r.dtype)
   at = lambda k: ring.ring_position(k, idx, r.n, r.ring_order)  # where block k sits
   halved = _halved_letter(eq, z, other_letters, other.shape) if r.fused_additions else None
 
@@ -929,6 +953,60 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
                                    halves_axis=None if halved is None
                                    else eq.out.index(halved))
   return out.astype(r.dtype)
+
+
+def _kernel_form(eq: Equation, z: str, owner_shape, other_shape):
+  """How ``pair_sums`` runs a weight gradient's reduce-scatter ring, or None: the sliced
+  operand's letters are the contracted ones then ``z`` (minor), the other's the same
+  contracted ones then the output's others. Returns (B, T, D, P, Q, the output's letters
+  in the kernel's order [P..., z, Q], the accumulators' halved dimension: Q's, or P's
+  where Q's halves are not whole lane tiles).
+  """
+  owner, other = (eq.lhs, eq.rhs) if z in eq.lhs else (eq.rhs, eq.lhs)
+  contracted, cols = owner[:-1], other[len(owner) - 1:]
+  if (not contracted or not cols or owner[-1] != z or not other.startswith(contracted)
+      or sorted(eq.out) != sorted(z + cols)):
+    return None
+  p, q = math.prod(other_shape[len(contracted):-1]), other_shape[-1]
+  halved = 2 if q % 256 == 0 else 0 if p % 2 == 0 else None
+  if halved is None:
+    return None
+  b = math.prod(owner_shape[:-2])
+  return b, owner_shape[-2], owner_shape[-1], p, q, cols[:-1] + z + cols[-1], halved
+
+
+def _pair_kernel_ring(r: _Ring, idx, owner, other, b, t, d, p, q, letters, halved):
+  """A weight gradient's even bidirectional reduce-scatter ring whose rounds each run
+  ``pair_sums.pair_sums`` (both directions' contributions from one read of ``other``, each
+  added to its arriving accumulator half as it is written), in the kernel's shapes: the
+  accumulators ``[P, rows, Q]`` travel in halves along ``halved`` (``ring._in_halves``).
+  """
+  rows, c = d // r.n, owner.ndim - 1  # c: the contracted letters' count
+  xt = jnp.swapaxes(owner.reshape(b, t, d), 1, 2)  # [B, D, T]: owner's laid-out order
+  order = list(range(c, other.ndim - 1)) + list(range(c)) + [other.ndim - 1]
+  y = jnp.transpose(other, order).reshape(p, b, t, q)  # [P, B, T, Q]
+  at = lambda k: ring.ring_position(k, idx, r.n, r.ring_order)
+
+  def operand(after):
+    return y if after is None else ring.waiting_for(y, after)
+
+  def partial(k, after=None, half=None):
+    ys = operand(after)
+    ys = ys if half is None else jnp.split(ys, 2, 0 if halved == 0 else 3)[half]
+    x = jax.lax.dynamic_slice_in_dim(xt, at(k) * rows, rows, 1)
+    return jnp.einsum('bdt,pbtq->pdq', x, ys, preferred_element_type=(
+        r.wire if half is None else jnp.float32))
+
+  def pair(k1, k2, *, half, accs, after):
+    return pair_sums.pair_sums(xt, operand(after), *accs, at(k1), at(k2), half=half,
+                               interpret=r.pair_kernel == 'interpret')
+
+  out = ring.reduce_scatter_einsum(partial, axis=r.plan.axis, n=r.n, idx=idx, split=r.split,
+                                   unroll=r.unroll, last_apart=r.last_apart,
+                                   halves_axis=halved, pair_sums=pair)
+  sizes = dict(zip(letters, other.shape[c:-1] + (rows, q)))
+  out = out.reshape([sizes[l] for l in letters])
+  return jnp.transpose(out, [letters.index(l) for l in r.eq.out])
 
 
 def _halved_letter(eq: Equation, z: str, letters: str, shape) -> str | None:

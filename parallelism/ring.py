@@ -229,7 +229,8 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
                           split: tuple[int, int], unroll: int = 1,
                           pair_axis: int | None = None, last_apart: bool = False,
                           laid_out: Callable = lambda x: x,
-                          halves_axis: int | None = None) -> jax.Array:
+                          halves_axis: int | None = None,
+                          pair_sums: Callable | None = None) -> jax.Array:
   """Sums ``partial(block)`` over all devices into device ``block``'s output.
 
   ``partial(k, after=acc)`` is this device's contribution to output block k, not
@@ -247,6 +248,9 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
   output dimension that take turns (``_in_halves``; an odd bidirectional ring's travel
   whole), and each step's einsum adds its half's arriving accumulator as it writes:
   ``partial(k, half=j)`` gives half ``j`` of block k's contribution, in fp32.
+  ``pair_sums(k1, k2, half=j, accs=(a1, a2), after=...)``, where given, computes a
+  bidirectional round's two halves ``j`` and adds them to the arriving ``a1`` and ``a2``
+  itself, returning both sums (``parallelism/pair_sums.py``).
   """
   def partial_pair(k1, k2, barrier=lambda x: x, after=None):
     if pair_axis is None:
@@ -279,7 +283,7 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
     if halves_axis is not None:
       ways = ((-1, lambda s: at(n_right - s)), (+1, lambda s: at(s - n_right)))
       return _in_halves(partial, idx, axis, n, ways, (in_r, in_l), (1, n_right), halves_axis,
-                        (half_r, half_l), last_apart, unroll, add)
+                        (half_r, half_l), last_apart, unroll, add, pair_sums)
     mine_r, mine_l = partial_pair(at(n_right - 1), at(1 - n_right), _unfused,
                                   after=(half_r, half_l))
     acc_r, acc_l = add(mine_r, in_r), add(mine_l, in_l)
@@ -300,7 +304,7 @@ def reduce_scatter_einsum(partial: Callable, *, axis: str, n: int, idx: jax.Arra
 
 
 def _in_halves(partial, idx, axis: str, n: int, ways, arriving, rounds: tuple[int, int],
-               dim: int, after, last_apart: bool, unroll, add):
+               dim: int, after, last_apart: bool, unroll, add, pair_sums=None):
   """A reduce-scatter ring whose accumulators travel as two halves along output dimension
   ``dim``, one transfer apart.
 
@@ -316,13 +320,17 @@ def _in_halves(partial, idx, axis: str, n: int, ways, arriving, rounds: tuple[in
   operand it does not slice, split where it waits (``partial``'s ``after``), so that the
   compiler reads the halves in place rather than copying them out of the loop. A
   bidirectional round computes each direction's halves with an einsum of its own: one
-  einsum for both (``pair_axis``) would write them joined, to be copied apart.
+  einsum for both (``pair_axis``) would write them joined, to be copied apart; or, with
+  ``pair_sums``, both directions' halves and their additions in one kernel.
   """
   wire = jax.eval_shape(partial, idx).dtype
   recv = lambda accs: tuple(recv_from(a, axis, n, off) for a, (off, _) in zip(accs, ways))
   halves = lambda accs, j: tuple(a if a is None else jnp.split(a, 2, dim)[j] for a in accs)
 
   def step_of(s, j, arrived, wait):  # round s's half j of every direction
+    if pair_sums is not None and len(ways) == 2:
+      return tuple(pair_sums(*[block(s) for _, block in ways], half=j, accs=arrived,
+                             after=wait))
     made = [partial(block(s), half=j, after=wait) for _, block in ways]
     return tuple(m.astype(wire) if a is None else add(a, m) for a, m in zip(arrived, made))
 

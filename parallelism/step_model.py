@@ -229,6 +229,23 @@ def splash_flops(ins: Instr, shapes: dict[str, str]) -> float:
   return 2.0 * SPLASH_MATMULS[kind.group(1)] * math.prod(q[:-2]) * pairs * q[-1]
 
 
+def kernel_cost(ins: Instr) -> tuple[float, float] | None:
+  """(FLOPs, HBM bytes) a Pallas kernel declares (``pl.CostEstimate``, printed in its
+  ``tpu_custom_call``'s backend config), or None. A kernel that reads blocks of its
+  operands (``parallelism/pair_sums.py``: two blocks of rows of a whole activation, and
+  half of another's columns) moves fewer bytes than its operands hold; its own estimate
+  says how many (tests/test_step_model.py checks ours against its shapes). The splash
+  kernels declare none."""
+  if 'tpu_custom_call' not in ins.attrs:
+    return None
+  found = re.search(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}', ins.attrs)
+  if not found:
+    return None
+  value = lambda key: float(re.search(rf'{key}\\?"\s*:\s*\\?"?([0-9.e+]+)',
+                                      found.group(1)).group(1))
+  return value('flops'), value('bytes_accessed')
+
+
 class _Costs:
   """FLOPs and bytes of compute instructions, and collective sizes."""
 
@@ -285,7 +302,8 @@ class _Costs:
     if ins.opcode == 'dot':
       return dot_flops(ins, self.shapes[comp])
     if ins.opcode == 'custom-call':
-      return splash_flops(ins, self.shapes[comp])
+      declared = kernel_cost(ins)
+      return declared[0] if declared else splash_flops(ins, self.shapes[comp])
     return 0.0
 
   def instr_bytes(self, ins: Instr, comp: str) -> float:
@@ -305,6 +323,8 @@ class _Costs:
       return 0.0  # reinterprets buffers the async slices already wrote
     if op == 'custom-call' and 'custom_call_target="AllocateBuffer"' in ins.attrs:
       return 0.0  # an allocation (lax.empty's, and the compiler's own): nothing written
+    if op == 'custom-call' and kernel_cost(ins):
+      return kernel_cost(ins)[1]
     return sum(operand(i) for i in range(len(ins.operands))) + shape_bytes(ins.shape)
 
   def _fusion_bytes(self, ins: Instr, comp: str) -> float:

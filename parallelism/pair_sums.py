@@ -1,0 +1,124 @@
+"""One kernel for a round of a bidirectional weight-gradient ring: both directions'
+contributions from one read of the shared operand, each added to its arriving
+accumulator as it is written.
+
+A weight-gradient ring over ``fsdp`` sums, for each device's block of ``D`` rows of the
+weight, every device's ``x[:, rows]^T y``. A bidirectional round makes two such
+contributions (one per direction, for two blocks of rows) against the same ``y``, the
+large operand (a cotangent or activation of every local token). As one einsum of the
+two blocks joined, the compiler first copies the pair out of ``x`` and writes the joined
+product, which is then split and added to the arriving accumulators in a pass of its
+own (6 bytes an element in bf16: dense_500b, 0.304 s a step of additions and 0.108 s of
+pair copies; docs/paper_scale.md). As an einsum a direction, ``y`` is read twice a round
+and the round is HBM-bound. This Pallas kernel reads each block in place (the block
+indices are prefetched scalars), reads ``y`` once for both, keeps both products in
+fp32 in VMEM starting from the arriving accumulators, and writes the two sums, each in
+its own buffer, ready to send.
+
+Shapes (canonical; ``collective_einsum`` reshapes into them): ``xt`` ``[B, D, T]`` (the
+sliced operand, its model dimension before its minor token dimension, as
+``block_layout='contiguous'`` lays it out), ``y`` ``[P, B, T, Q]`` (its last output
+dimension ``Q`` minor, its others ``P`` major: gate/up's stacked pair, q/k/v's heads, as
+the compiler lays out the cotangents that stack them), each accumulator one half of
+``[P, rows, Q]`` (along ``P`` or ``Q``), as ``ring._in_halves`` sends them. On a CPU the kernel runs in Pallas's interpreter (the
+tests); the TPU compiles it with Mosaic. It declares its FLOPs and HBM bytes
+(``pl.CostEstimate``), which the step model reads (``step_model.kernel_cost``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+NAME = 'ring_pair_sums'  # the kernel's name in the compiled program
+
+
+def _tile(size: int, target: int, quantum: int) -> int:
+  """The largest multiple of ``quantum`` that divides ``size`` and is <= ``target``, or
+  ``size`` itself (a whole dimension is always a valid block)."""
+  for t in range(min(target, size) // quantum * quantum, 0, -quantum):
+    if size % t == 0:
+      return t
+  return size
+
+
+def cost(xt_shape, acc_shape, itemsize: int, wire_itemsize: int,
+         col_tile: int) -> tuple[float, float]:
+  """(FLOPs, HBM bytes) of one call: two ``[P', rows, Q']`` products over ``B x T``;
+  ``y``'s half read once, both row blocks once per column tile, both accumulators read
+  and both sums written."""
+  b, _, t = xt_shape
+  p, rows, q = acc_shape
+  flops = 2 * 2 * p * rows * b * t * q
+  x_bytes = 2 * b * rows * t * itemsize * (q // col_tile)
+  return flops, x_bytes + p * b * t * q * itemsize + 4 * p * rows * q * wire_itemsize
+
+
+def pair_sums(xt: jax.Array, y: jax.Array, acc_a: jax.Array, acc_b: jax.Array,
+              ka, kb, *, half: int, interpret: bool) -> tuple[jax.Array, jax.Array]:
+  """``(xt[:, ka rows]^T y[half] + acc_a, xt[:, kb rows]^T y[half] + acc_b)``, summed
+  over ``B`` and ``T`` in fp32 and returned in the accumulators' dtype.
+
+  ``xt`` is ``[B, D, T]``, ``y`` ``[P, B, T, Q]``, each accumulator ``[P', rows, Q']``:
+  half of ``P`` (``P' = P / 2``) or of ``Q``, and ``half`` (0 or 1) says which. ``ka``
+  and ``kb`` are block indices along ``D`` in units of ``rows``. Each step of the grid
+  (column tiles of ``Q'``, then ``B`` and token tiles, summed) takes every ``P'`` at once,
+  so each block of rows is read once per column tile.
+  """
+  b, d, t = xt.shape
+  p, rows, q = acc_a.shape
+  by_p = (2 * p, q) == (y.shape[0], y.shape[3])
+  if (y.shape[1:3] != (b, t) or not (by_p or (p, 2 * q) == (y.shape[0], y.shape[3]))
+      or acc_b.shape != acc_a.shape or d % rows):
+    raise ValueError(f'pair_sums: xt {xt.shape}, y {y.shape}, accumulators '
+                     f'{acc_a.shape} and {acc_b.shape} do not fit')
+  tt, tq = _tile(t, 512, 128), _tile(q, max(128, 2048 // p), 128)
+  # the half's block along P, and its first column tile along Q
+  hp, hq = (half, 0) if by_p else (0, half * (q // tq))
+  ks = jnp.stack([jnp.asarray(ka, jnp.int32), jnp.asarray(kb, jnp.int32)])
+  x_spec = lambda which: pl.BlockSpec((None, rows, tt), lambda c, k, j, ks: (k, ks[which], j))
+  acc_spec = pl.BlockSpec((p, rows, tq), lambda c, k, j, ks: (0, 0, c))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(q // tq, b, t // tt),
+      in_specs=[x_spec(0), x_spec(1),
+                pl.BlockSpec((p, None, tt, tq), lambda c, k, j, ks: (hp, k, j, hq + c)),
+                acc_spec, acc_spec],
+      out_specs=[acc_spec, acc_spec],
+      scratch_shapes=[pltpu.VMEM((p, rows, tq), jnp.float32)] * 2)
+  flops, bytes_ = cost(xt.shape, acc_a.shape, xt.dtype.itemsize, acc_a.dtype.itemsize, tq)
+  return pl.pallas_call(
+      functools.partial(_kernel, steps=(b, t // tt)), grid_spec=grid_spec,
+      # inside a shard_map, each sum varies over the manual axes as its accumulator does
+      out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=jax.typeof(a).mat)
+                 for a in (acc_a, acc_b)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=('parallel', 'arbitrary', 'arbitrary')),
+      cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=0,
+                                    bytes_accessed=int(bytes_)),
+      interpret=interpret, name=NAME)(ks, xt, xt, y, acc_a, acc_b)
+
+
+def _kernel(ks_ref, xa_ref, xb_ref, y_ref, acc_a_ref, acc_b_ref, out_a_ref, out_b_ref,
+            sum_a, sum_b, *, steps):
+  del ks_ref  # used by the index maps only
+  k, j = pl.program_id(1), pl.program_id(2)
+
+  @pl.when((k == 0) & (j == 0))
+  def _():
+    sum_a[...] = acc_a_ref[...].astype(jnp.float32)
+    sum_b[...] = acc_b_ref[...].astype(jnp.float32)
+
+  xa, xb = xa_ref[...], xb_ref[...]
+  for i in range(y_ref.shape[0]):  # every P' against the same two blocks of rows
+    y = y_ref[i]
+    sum_a[i] += jnp.dot(xa, y, preferred_element_type=jnp.float32)
+    sum_b[i] += jnp.dot(xb, y, preferred_element_type=jnp.float32)
+
+  @pl.when((k == steps[0] - 1) & (j == steps[1] - 1))
+  def _():
+    out_a_ref[...] = sum_a[...].astype(out_a_ref.dtype)
+    out_b_ref[...] = sum_b[...].astype(out_b_ref.dtype)
