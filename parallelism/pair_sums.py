@@ -35,6 +35,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 NAME = 'ring_pair_sums'  # the kernel's name in the compiled program
+# What the kernel's blocks may take of a TPU core's VMEM: 14 of the 16 MiB the compiler
+# lets a kernel use by default on v4 (more on later chips).
+VMEM_BUDGET = 14 * 2**20
 
 
 def _tile(size: int, target: int, quantum: int) -> int:
@@ -44,6 +47,16 @@ def _tile(size: int, target: int, quantum: int) -> int:
     if size % t == 0:
       return t
   return size
+
+
+def _col_tile(q: int, p: int, rows: int, tt: int, itemsize: int, wire_itemsize: int) -> int:
+  """The widest column tile (a multiple of 128 dividing ``q``, or ``q``) whose blocks fit
+  ``VMEM_BUDGET``: both row blocks and ``y``'s block, double-buffered, both accumulators
+  and both sums (double-buffered) and both fp32 sums in scratch."""
+  fixed = 2 * 2 * rows * tt * itemsize
+  per_column = p * (2 * tt * itemsize + 8 * rows * wire_itemsize + 2 * rows * 4)
+  tiles = [t for t in range(q // 128 * 128, 0, -128) if q % t == 0] or [q]
+  return next((t for t in tiles if fixed + per_column * t <= VMEM_BUDGET), tiles[-1])
 
 
 def cost(xt_shape, acc_shape, itemsize: int, wire_itemsize: int,
@@ -76,7 +89,8 @@ def pair_sums(xt: jax.Array, y: jax.Array, acc_a: jax.Array, acc_b: jax.Array,
       or acc_b.shape != acc_a.shape or d % rows):
     raise ValueError(f'pair_sums: xt {xt.shape}, y {y.shape}, accumulators '
                      f'{acc_a.shape} and {acc_b.shape} do not fit')
-  tt, tq = _tile(t, 512, 128), _tile(q, max(128, 2048 // p), 128)
+  tt = _tile(t, 512, 128)
+  tq = _col_tile(q, p, rows, tt, xt.dtype.itemsize, acc_a.dtype.itemsize)
   # the half's block along P, and its first column tile along Q
   hp, hq = (half, 0) if by_p else (0, half * (q // tq))
   ks = jnp.stack([jnp.asarray(ka, jnp.int32), jnp.asarray(kb, jnp.int32)])

@@ -136,7 +136,7 @@ class MatmulPolicy:
   block_layout: str = 'compiler'        # compiler | contiguous (BLOCK_LAYOUTS)
   last_contribution: str = 'fused'      # fused | apart (LAST_CONTRIBUTIONS)
   weight_gradient_gather: str = 'beside'  # beside | before (WEIGHT_GRADIENT_GATHERS)
-  ring_additions: str = 'apart'         # apart | fused (RING_ADDITIONS)
+  ring_additions: str = 'apart'         # apart | fused | kernel (RING_ADDITIONS)
   gather_pairs: str = 'joined'          # joined | apart (GATHER_PAIRS)
 
   @classmethod

@@ -1063,6 +1063,50 @@ def test_fused_additions_leave_bidirectional_weight_gradient_rings_joined():
   assert sizes['fused'] == sizes['apart'] and sizes['apart'], sizes
 
 
+def _kernel_weight_gradient(dtype='float32'):
+  """DOWN on tensor=2 x fsdp=4 with an MLP of 512 (256 a tensor shard: the pair kernel's
+  column halves are whole lane tiles): (mesh, x, w, decision)."""
+  mesh = _mesh(2, data=1)
+  eq, ls, rs, os_ = DOWN
+  x = jax.random.normal(jax.random.key(0), (8, 4, 512)).astype(dtype)
+  w = jax.random.normal(jax.random.key(1), (512, 8)).astype(dtype)
+  d = explain(eq, x.shape, w.shape, dtype, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+              out_spec=os_, mode='bidirectional')
+  return mesh, x, w, dataclasses.replace(d, backward_over=(None, (F, 'bidirectional')))
+
+
+def test_kernel_additions_run_each_weight_gradient_round_as_one_pallas_kernel():
+  # ring_additions='kernel': as 'fused', and each round of an even bidirectional
+  # weight-gradient ring (over fsdp=4 here: one round, two halves) is one call of
+  # parallelism/pair_sums.py's kernel (Pallas's interpreter on CPU) for both directions.
+  # Gradients as the plain einsum's; the forward's and data gradient's rings have none.
+  eq, ls, rs, os_ = DOWN
+  mesh, x, w, d = _kernel_weight_gradient()
+  kernels = {}
+  for choice in ('fused', 'kernel'):
+    f = lambda x, w, c=choice: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                            out_spec=os_, ring_additions=c)
+    _assert_gradients_match_einsum(f, eq, x, w)
+    loss = lambda x, w, f=f: jnp.sum(f(x, w) * weights((8, 4, 8)))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
+    kernels[choice] = [e for e in _eqns(jaxpr) if e.primitive.name == 'pallas_call']
+  assert not kernels['fused'] and len(kernels['kernel']) == 2, kernels
+
+
+def test_kernel_additions_round_once_a_step_in_bf16():
+  # The kernel adds each arriving bf16 accumulator in fp32 and rounds once: the weight
+  # gradient's error against fp32 is that of the additions apart.
+  eq, ls, rs, os_ = DOWN
+  mesh, x, w, d = _kernel_weight_gradient('bfloat16')
+  wide = lambda a: a.astype(jnp.float32)
+  loss = lambda f: lambda w: jnp.sum(wide(f(x, w)) * weights((8, 4, 8)))
+  ref = jax.grad(loss(lambda a, b: jnp.einsum(eq, wide(a), wide(b))))(w)
+  errors = {c: _rel(wide(jax.jit(jax.grad(loss(lambda a, b, c=c: run_decision(
+      d, a, b, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, ring_additions=c))))(w)),
+      ref) for c in ('apart', 'kernel')}
+  assert errors['kernel'] < 1.5e-2 and errors['kernel'] < 1.5 * errors['apart'], errors
+
+
 def test_fused_additions_round_once_a_step_in_bf16():
   # Each step's einsum adds the arriving bf16 accumulator in fp32 and rounds once, as the
   # additions apart do: the error against fp32 stays that of bf16 rounding.

@@ -518,3 +518,22 @@ def test_an_async_copy_crosses_hbm_once_for_each_end_there():
   # within HBM: read and written there; into memory space 3: read there only
   assert r.exposed_dma_seconds == pytest.approx((2 * size + size + size / 2) / 1e11)
   assert r.step_seconds == pytest.approx(r.exposed_dma_seconds)
+
+
+def test_a_kernel_that_declares_its_cost_is_costed_as_it_declares():
+  # A Pallas kernel's pl.CostEstimate, in its backend config (parallelism/pair_sums.py's
+  # reads blocks of its operands: fewer bytes than they hold); the splash kernels declare none.
+  declared = SPLASH.replace(
+      'metadata={op_name="jit(train_step)/splash_mha_dkv/pallas_call"}',
+      'metadata={op_name="jit(train_step)/ring_pair_sums/pallas_call"}, backend_config={'
+      '"custom_call_config":{"body":"x","cost_estimate":{"flops":"1000000000",'
+      '"transcendentals":"0","bytes_accessed":"3000000","remote_bytes_transferred":"0"}}}')
+  dkv = [i for instrs in step_model.parse(declared).computations.values() for i in instrs
+         if i.name.startswith('splash_mha_dkv')][0]
+  assert step_model.kernel_cost(dkv) == (1e9, 3e6)
+  splash = step_model.analyze(SPLASH, CHIP).flops
+  fwd = 2 * (2 * 8 * 128) * 3 * 512 * 512  # as test_splash_kernels_count_their_causal_blocks
+  assert step_model.analyze(declared, CHIP).flops == pytest.approx(fwd + 1e9)
+  assert splash != pytest.approx(fwd + 1e9)
+  assert all(step_model.kernel_cost(i) is None for instrs in
+             step_model.parse(SPLASH).computations.values() for i in instrs)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from parallelism import hardware, hlo_text
+from parallelism import hardware, hlo_text, pair_sums, step_model
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -127,3 +127,30 @@ def test_a_ring_in_ring_order_writes_its_result_once(ring_order):
   rolled = [i.name for instrs in module.computations.values() for i in instrs
             if '_roll_dynamic' in i.op_name]
   assert bool(rolled) == (not ring_order), rolled
+
+
+@pytest.mark.parametrize('additions', ['fused', 'kernel'])
+def test_a_weight_gradient_ring_runs_each_round_as_one_kernel(additions):
+  # An FSDP layer's weight gradient, a bidirectional ring over fsdp (8 chips, in a loop).
+  # ring_additions='fused' leaves its additions a pass of their own after each round's
+  # einsum; 'kernel' runs each round's half as one Pallas kernel (parallelism/pair_sums.py)
+  # that adds both directions' accumulators as it writes, and the step model costs each
+  # kernel as it declares, its FLOPs and bytes those of the shapes it runs.
+  module = hlo_text.parse(_compile('bidirectional', 'wg', layers=1, additions=additions))
+  ring_ops = [(i, c) for c, instrs in module.computations.items() for i in instrs
+              if 'reducescatter/bidirectional' in i.op_name]
+  kernels = [(i, c) for i, c in ring_ops if i.opcode == 'custom-call']
+  passes = [i.name for i, _ in ring_ops if i.opcode == 'fusion' and 'partial_sums' in i.op_name
+            and '/while/body/' in i.op_name]
+  if additions == 'fused':
+    assert passes and not kernels, (passes, kernels)
+    return
+  assert kernels and not passes, (passes, [i.name for i, _ in kernels])
+  shapes = {i.name: i.shape for instrs in module.computations.values() for i in instrs}
+  for ins, _ in kernels:
+    assert pair_sums.NAME in ins.name and '/while/body/' in ins.op_name
+    xt, acc = (hlo_text.shape_dims(shapes[ins.operands[k]]) for k in (1, 4))
+    assert xt == [1, 4096, 1024] and acc == [1, 512, 2048], (xt, acc)  # [B, D, T], [P', rows, Q']
+    tile = pair_sums._col_tile(2048, 1, 512, 512, 2, 2)  # pylint: disable=protected-access
+    assert tile == 512  # a 512-row block's buffers fit VMEM with 512 columns, not 1024
+    assert step_model.kernel_cost(ins) == pair_sums.cost(xt, acc, 2, 2, tile)

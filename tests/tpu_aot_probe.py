@@ -1,6 +1,7 @@
 """Compiles a decomposed einsum for a small TPU slice (v4:2x2x2 by default) on this CPU machine.
 
-Arguments: mode, kind ('ag' or 'rs'), chip, a layer count (the gradient of a scan over
+Arguments: mode, kind ('ag' or 'rs' over tensor; 'wg': an FSDP layer, whose weight
+gradient rings over fsdp), chip, a layer count (the gradient of a scan over
 that many layers of the einsum; 0: the einsum alone), ``parallelism.ring_additions``
 (default ``apart``), ``parallelism.gather_pairs`` (default ``joined``), the decision's
 ``ring_order`` (default '': none) and ``parallelism.unroll`` (default 1). Run by tests/test_tpu_aot.py in its
@@ -36,10 +37,12 @@ def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0',
                                       chip_config_name=tpu.chip_config_name,
                                       chips_per_host_bounds=tpu.chips_per_host_bounds,
                                       num_slices=1)
-  mesh = mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=-1, expert=1, dcn_data=1, dcn_fsdp=1,
-                                 dcn_tensor=1, dcn_expert=1), topo.devices)
-  t = 'tensor'
-  if kind == 'ag':
+  t = 'fsdp' if kind == 'wg' else 'tensor'
+  mesh = mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=1, expert=1, dcn_data=1, dcn_fsdp=1,
+                                 dcn_tensor=1, dcn_expert=1) | {t: -1}, topo.devices)
+  if kind == 'wg':  # an FSDP layer: the weight gathered over fsdp, its gradient scattered
+    eq, ls, rs, specs = 'td,df->tf', (8192, 4096), (4096, 4096), (P(t, None), P(t, None), P(t, None))
+  elif kind == 'ag':
     eq, ls, rs, specs = 'td,df->tf', (8192, 4096), (4096, 16384), (P(t, None), P(None, t), P(None, t))
   else:
     eq, ls, rs, specs = 'tf,fd->td', (8192, 16384), (16384, 4096), (P(None, t), P(t, None), P(t, None))

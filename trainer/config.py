@@ -238,7 +238,12 @@ class Parallelism:
                                       'that take turns; unidirectional rings and even '
                                       'bidirectional ones with activation outputs, where an '
                                       'output dimension the unsliced operand carries has '
-                                      'even size)')
+                                      'even size) | kernel (as fused, and each round of an '
+                                      "even bidirectional weight gradient's ring one Pallas "
+                                      'kernel for both directions, adding both arriving '
+                                      'accumulators; where the sliced operand is '
+                                      '[contracted..., sliced] and every mesh axis of size '
+                                      "> 1 is one the ring's shard_map holds manual)")
   gather_pairs: str = _key('joined', "a bidirectional all-gather ring's two blocks a "
                                      'round, where their products go to different parts '
                                      'of the output: joined (one einsum over both; the '

@@ -1,0 +1,57 @@
+"""parallelism/pair_sums.py: a bidirectional weight-gradient ring's round as one Pallas
+kernel, run here in Pallas's interpreter (the TPU compile: tests/test_tpu_aot.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallelism import pair_sums
+
+
+@pytest.mark.parametrize('p, q, by_p', [(1, 512, False), (2, 256, False), (4, 128, True)])
+def test_both_sums_match_einsums_of_their_blocks_and_half(p, q, by_p):
+  b, d, t, rows = 2, 64, 256, 16
+  keys = jax.random.split(jax.random.key(0), 4)
+  xt = jax.random.normal(keys[0], (b, d, t))
+  y = jax.random.normal(keys[1], (p, b, t, q))
+  acc_shape = (p // 2, rows, q) if by_p else (p, rows, q // 2)
+  acc_a, acc_b = (jax.random.normal(k, acc_shape) for k in keys[2:])
+  for half in (0, 1):
+    got = jax.jit(lambda *a, h=half: pair_sums.pair_sums(*a, half=h, interpret=True))(
+        xt, y, acc_a, acc_b, 1, 3)
+    ys = jnp.split(y, 2, 0 if by_p else 3)[half]
+    for out, k, acc in zip(got, (1, 3), (acc_a, acc_b)):
+      want = jnp.einsum('bdt,pbtq->pdq', xt[:, k * rows:(k + 1) * rows], ys) + acc
+      np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_sums_leave_in_the_accumulators_dtype_added_in_fp32():
+  # bf16 accumulators: each sum is the fp32 sum of the product and the accumulator, rounded once
+  keys = jax.random.split(jax.random.key(1), 3)
+  xt = jax.random.normal(keys[0], (1, 32, 128)).astype(jnp.bfloat16)
+  y = jax.random.normal(keys[1], (1, 1, 128, 256)).astype(jnp.bfloat16)
+  acc = (jax.random.normal(keys[2], (1, 16, 128)) * 100).astype(jnp.bfloat16)
+  out, _ = pair_sums.pair_sums(xt, y, acc, acc, 0, 1, half=0, interpret=True)
+  exact = jnp.einsum('bdt,pbtq->pdq', xt[:, :16].astype(jnp.float32),
+                     y[..., :128].astype(jnp.float32)) + acc.astype(jnp.float32)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out, exact.astype(jnp.bfloat16))
+
+
+def test_shapes_that_do_not_fit_are_refused():
+  xt, y = jnp.zeros((1, 32, 128)), jnp.zeros((1, 1, 128, 256))
+  with pytest.raises(ValueError, match=r'pair_sums: xt \(1, 32, 128\), y \(1, 1, 128, 256\)'):
+    pair_sums.pair_sums(xt, y, jnp.zeros((1, 16, 256)), jnp.zeros((1, 16, 256)), 0, 1,
+                        half=0, interpret=True)  # an accumulator of every column, not half
+
+
+def test_column_tiles_keep_the_blocks_within_vmem():
+  # dense_500b's gate/up weight gradient (two stacked halves, 160 rows, 4096 columns a half)
+  # takes 1024 columns a step; a 512-row block leaves room for 512.
+  assert pair_sums._col_tile(4096, 2, 160, 512, 2, 2) == 1024  # pylint: disable=protected-access
+  assert pair_sums._col_tile(2048, 1, 512, 512, 2, 2) == 512  # pylint: disable=protected-access
+  flops, hbm = pair_sums.cost((2, 20480, 2048), (2, 160, 4096), 2, 2, 1024)
+  assert flops == 2 * 2 * (2 * 160 * 4096) * (2 * 2048)  # two products over B x T
+  # y's half once, both row blocks once per column tile, accumulators in and sums out
+  assert hbm == 2 * 2048 * 2 * 4096 * 2 + 2 * (2 * 160 * 2048 * 2) * 4 + 4 * 2 * 160 * 4096 * 2
