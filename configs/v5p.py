@@ -43,7 +43,11 @@ LAYOUTS = {
                   'model.remat': 'minimal', 'hardware.xla_flags': ALL_REDUCE_FLAGS,
                   'parallelism.gradient_rings': 'any_forward',
                   # v4's plain attn.o and pairs apart are for its rings over tensor
-                  'parallelism.plain_layers': '', 'parallelism.gather_pairs': 'joined'},
+                  'parallelism.plain_layers': '', 'parallelism.gather_pairs': 'joined',
+                  # its weight gradients' two-way rings over fsdp a Pallas kernel a round
+                  # (parallelism/pair_sums.py): ours 4.778 -> 4.511 s, compute 1.054x ->
+                  # 1.015x the baseline's (modeled)
+                  'parallelism.ring_additions': 'kernel'},
     # v4's casts in the scan, two layers an iteration, sharded gradient accumulators and
     # bf16 moments are for v4's memory; this layout was searched and measured without
     # them (its ring settings, v4's too: ours 9.001 -> 8.819 s, modeled; 8.871 s since the

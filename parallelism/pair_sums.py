@@ -49,25 +49,32 @@ def _tile(size: int, target: int, quantum: int) -> int:
   return size
 
 
-def _col_tile(q: int, p: int, rows: int, tt: int, itemsize: int, wire_itemsize: int) -> int:
-  """The widest column tile (a multiple of 128 dividing ``q``, or ``q``) whose blocks fit
-  ``VMEM_BUDGET``: both row blocks and ``y``'s block, double-buffered, both accumulators
-  and both sums (double-buffered) and both fp32 sums in scratch."""
+def _blocks(p: int, q: int, rows: int, tt: int, itemsize: int,
+            wire_itemsize: int) -> tuple[int, int]:
+  """(P' a step, columns a step) for the grid: the most of both (the fewest reads of each
+  block of rows) whose buffers fit ``VMEM_BUDGET``: both row blocks and ``y``'s block,
+  double-buffered, both accumulators and both sums (double-buffered) and both fp32 sums
+  in scratch. Columns are a multiple of 128 dividing ``q`` (or ``q``)."""
   fixed = 2 * 2 * rows * tt * itemsize
-  per_column = p * (2 * tt * itemsize + 8 * rows * wire_itemsize + 2 * rows * 4)
+  per_element = 2 * tt * itemsize + 8 * rows * wire_itemsize + 2 * rows * 4  # of P' x cols
   tiles = [t for t in range(q // 128 * 128, 0, -128) if q % t == 0] or [q]
-  return next((t for t in tiles if fixed + per_column * t <= VMEM_BUDGET), tiles[-1])
+  fits = [(pc, tq) for tq in tiles for pc in range(p, 0, -1)
+          if p % pc == 0 and fixed + per_element * pc * tq <= VMEM_BUDGET]
+  if not fits:
+    raise ValueError(f'pair_sums: blocks of {rows} rows and {tt} tokens do not fit '
+                     f'{VMEM_BUDGET} bytes of VMEM')
+  return max(fits, key=lambda f: (f[0] * f[1], f[0]))
 
 
 def cost(xt_shape, acc_shape, itemsize: int, wire_itemsize: int,
-         col_tile: int) -> tuple[float, float]:
+         blocks: tuple[int, int]) -> tuple[float, float]:
   """(FLOPs, HBM bytes) of one call: two ``[P', rows, Q']`` products over ``B x T``;
-  ``y``'s half read once, both row blocks once per column tile, both accumulators read
-  and both sums written."""
+  ``y``'s half read once, both row blocks once per grid block of ``blocks`` (``P'`` and
+  columns), both accumulators read and both sums written."""
   b, _, t = xt_shape
   p, rows, q = acc_shape
   flops = 2 * 2 * p * rows * b * t * q
-  x_bytes = 2 * b * rows * t * itemsize * (q // col_tile)
+  x_bytes = 2 * b * rows * t * itemsize * (p // blocks[0]) * (q // blocks[1])
   return flops, x_bytes + p * b * t * q * itemsize + 4 * p * rows * q * wire_itemsize
 
 
@@ -79,8 +86,8 @@ def pair_sums(xt: jax.Array, y: jax.Array, acc_a: jax.Array, acc_b: jax.Array,
   ``xt`` is ``[B, D, T]``, ``y`` ``[P, B, T, Q]``, each accumulator ``[P', rows, Q']``:
   half of ``P`` (``P' = P / 2``) or of ``Q``, and ``half`` (0 or 1) says which. ``ka``
   and ``kb`` are block indices along ``D`` in units of ``rows``. Each step of the grid
-  (column tiles of ``Q'``, then ``B`` and token tiles, summed) takes every ``P'`` at once,
-  so each block of rows is read once per column tile.
+  (blocks of ``P'`` and of columns, then ``B`` and token tiles, summed) takes as many of
+  ``P'`` and columns as fit VMEM (``_blocks``), so each block of rows is read seldom.
   """
   b, d, t = xt.shape
   p, rows, q = acc_a.shape
@@ -90,27 +97,30 @@ def pair_sums(xt: jax.Array, y: jax.Array, acc_a: jax.Array, acc_b: jax.Array,
     raise ValueError(f'pair_sums: xt {xt.shape}, y {y.shape}, accumulators '
                      f'{acc_a.shape} and {acc_b.shape} do not fit')
   tt = _tile(t, 512, 128)
-  tq = _col_tile(q, p, rows, tt, xt.dtype.itemsize, acc_a.dtype.itemsize)
-  # the half's block along P, and its first column tile along Q
-  hp, hq = (half, 0) if by_p else (0, half * (q // tq))
+  pc, tq = _blocks(p, q, rows, tt, xt.dtype.itemsize, acc_a.dtype.itemsize)
+  # the half's first block along P, and its first column tile along Q
+  hp, hq = (half * (p // pc), 0) if by_p else (0, half * (q // tq))
   ks = jnp.stack([jnp.asarray(ka, jnp.int32), jnp.asarray(kb, jnp.int32)])
-  x_spec = lambda which: pl.BlockSpec((None, rows, tt), lambda c, k, j, ks: (k, ks[which], j))
-  acc_spec = pl.BlockSpec((p, rows, tq), lambda c, k, j, ks: (0, 0, c))
+  x_spec = lambda which: pl.BlockSpec((None, rows, tt),
+                                      lambda i, c, k, j, ks: (k, ks[which], j))
+  acc_spec = pl.BlockSpec((pc, rows, tq), lambda i, c, k, j, ks: (i, 0, c))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1, grid=(q // tq, b, t // tt),
+      num_scalar_prefetch=1, grid=(p // pc, q // tq, b, t // tt),
       in_specs=[x_spec(0), x_spec(1),
-                pl.BlockSpec((p, None, tt, tq), lambda c, k, j, ks: (hp, k, j, hq + c)),
+                pl.BlockSpec((pc, None, tt, tq),
+                             lambda i, c, k, j, ks: (hp + i, k, j, hq + c)),
                 acc_spec, acc_spec],
       out_specs=[acc_spec, acc_spec],
-      scratch_shapes=[pltpu.VMEM((p, rows, tq), jnp.float32)] * 2)
-  flops, bytes_ = cost(xt.shape, acc_a.shape, xt.dtype.itemsize, acc_a.dtype.itemsize, tq)
+      scratch_shapes=[pltpu.VMEM((pc, rows, tq), jnp.float32)] * 2)
+  flops, bytes_ = cost(xt.shape, acc_a.shape, xt.dtype.itemsize, acc_a.dtype.itemsize,
+                       (pc, tq))
   return pl.pallas_call(
       functools.partial(_kernel, steps=(b, t // tt)), grid_spec=grid_spec,
       # inside a shard_map, each sum varies over the manual axes as its accumulator does
       out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype, manual_axis_type=jax.typeof(a).mat)
                  for a in (acc_a, acc_b)],
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=('parallel', 'arbitrary', 'arbitrary')),
+          dimension_semantics=('parallel', 'parallel', 'arbitrary', 'arbitrary')),
       cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=0,
                                     bytes_accessed=int(bytes_)),
       interpret=interpret, name=NAME)(ks, xt, xt, y, acc_a, acc_b)
@@ -119,7 +129,7 @@ def pair_sums(xt: jax.Array, y: jax.Array, acc_a: jax.Array, acc_b: jax.Array,
 def _kernel(ks_ref, xa_ref, xb_ref, y_ref, acc_a_ref, acc_b_ref, out_a_ref, out_b_ref,
             sum_a, sum_b, *, steps):
   del ks_ref  # used by the index maps only
-  k, j = pl.program_id(1), pl.program_id(2)
+  k, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when((k == 0) & (j == 0))
   def _():

@@ -46,12 +46,17 @@ def test_shapes_that_do_not_fit_are_refused():
                         half=0, interpret=True)  # an accumulator of every column, not half
 
 
-def test_column_tiles_keep_the_blocks_within_vmem():
-  # dense_500b's gate/up weight gradient (two stacked halves, 160 rows, 4096 columns a half)
-  # takes 1024 columns a step; a 512-row block leaves room for 512.
-  assert pair_sums._col_tile(4096, 2, 160, 512, 2, 2) == 1024  # pylint: disable=protected-access
-  assert pair_sums._col_tile(2048, 1, 512, 512, 2, 2) == 512  # pylint: disable=protected-access
-  flops, hbm = pair_sums.cost((2, 20480, 2048), (2, 160, 4096), 2, 2, 1024)
+def test_blocks_fit_vmem_and_set_how_often_rows_are_read():
+  # dense_500b's gate/up weight gradient (two stacked halves, 160 rows, 4096 columns a
+  # half) takes both halves and 1024 columns a grid step; a 512-row block leaves room for
+  # 512 columns; v5p dense_64b's q/k/v (40 heads a half, 128 wide) takes 20 heads a step.
+  blocks = pair_sums._blocks  # pylint: disable=protected-access
+  assert blocks(2, 4096, 160, 512, 2, 2) == (2, 1024)
+  assert blocks(1, 2048, 512, 512, 2, 2) == (1, 512)
+  assert blocks(40, 128, 128, 512, 2, 2) == (20, 128)
+  with pytest.raises(ValueError, match='blocks of 8192 rows and 512 tokens do not fit'):
+    blocks(1, 128, 8192, 512, 2, 2)
+  flops, hbm = pair_sums.cost((2, 20480, 2048), (2, 160, 4096), 2, 2, (2, 1024))
   assert flops == 2 * 2 * (2 * 160 * 4096) * (2 * 2048)  # two products over B x T
-  # y's half once, both row blocks once per column tile, accumulators in and sums out
+  # y's half once, both row blocks once per grid block, accumulators in and sums out
   assert hbm == 2 * 2048 * 2 * 4096 * 2 + 2 * (2 * 160 * 2048 * 2) * 4 + 4 * 2 * 160 * 4096 * 2
