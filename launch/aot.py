@@ -360,6 +360,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'exposed_off_rings': exposed_off_rings(model['exposed_by']),
           'costliest_non_matmul': costliest_non_matmul(model['non_matmul_by_op']),
           'additions_by_ring': additions_by_ring(model['non_matmul_by_op']),
+          'kernels_by_ring': by_ring(model.get('kernels_by_op', {})),
           'warnings': model['warnings']}
       if 'alternative' in model:  # the same program under step_model.ALTERNATIVE
         other = model['alternative']
@@ -437,10 +438,18 @@ def additions_by_ring(by_op: dict) -> dict:
   (those the compiler fused into an einsum count as its matmul), keyed by the einsum's name
   (the scope just outside the ring's: ``blocks.*.1.moe.gate``, not the ``moe.exchange``
   around it), pass, equation, collective and direction; most first. They sum to the term."""
+  return by_ring({k: s for k, s in by_op.items() if f'/{ADDITIONS_SCOPE}/' in k})
+
+
+def by_ring(by_op: dict) -> dict:
+  """Modeled seconds per step of the instructions ``by_op`` names (op_name -> seconds)
+  that belong to decomposed einsums, keyed as ``additions_by_ring``'s; most first. With
+  the step model's ``kernels_by_op``: the rings whose rounds run as Pallas kernels
+  (``parallelism.ring_additions='kernel'``, parallelism/pair_sums.py), and their time."""
   out = {}
   for op_name, seconds in by_op.items():
     m = re.search(rf'([^/]+)/{RING_SCOPE}/(\w+)/(\w+)/([^/]+)/', op_name)
-    if not m or f'/{ADDITIONS_SCOPE}/' not in op_name:
+    if not m:
       continue
     name, kind, direction, equation = m.groups()
     label = (f"{name}{' (bwd)' if 'transpose(' in op_name else ''}: {equation} "
@@ -527,6 +536,8 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
                                  "a decomposed einsum's own):"),
         ('additions_by_ring', "rings' additions of partial sums, by einsum (s; those run as "
                               "passes of their own):"),
+        ('kernels_by_ring', "rings whose rounds run as Pallas kernels, by einsum (s; "
+                            "parallelism.ring_additions='kernel'):"),
         ('exposed_off_rings', "modeled exposed communication off the rings (s; the collectives "
                               "the chip waited for, besides the rings' collective-permutes, by "
                               "where they come from):")):

@@ -515,6 +515,7 @@ class Timeline:
   by_kind: dict = dataclasses.field(default_factory=dict)  # collective -> [count, seconds]
   by_term: dict = dataclasses.field(default_factory=dict)  # compute term -> seconds
   by_op: dict = dataclasses.field(default_factory=dict)  # op_name -> non-matmul seconds
+  by_kernel: dict = dataclasses.field(default_factory=dict)  # op_name -> Pallas kernels' seconds
   exposed_by: dict = dataclasses.field(default_factory=dict)  # exposed_key() -> seconds
 
   def add(self, other: 'Timeline', times: float) -> None:
@@ -526,8 +527,9 @@ class Timeline:
       mine[1] += times * s
     for k, s in other.by_term.items():
       self.by_term[k] = self.by_term.get(k, 0.0) + times * s
-    for k, s in other.by_op.items():
-      self.by_op[k] = self.by_op.get(k, 0.0) + times * s
+    for mine, theirs in ((self.by_op, other.by_op), (self.by_kernel, other.by_kernel)):
+      for k, s in theirs.items():
+        mine[k] = mine.get(k, 0.0) + times * s
     for k, s in other.exposed_by.items():
       self.expose(k, times * s)
 
@@ -557,6 +559,9 @@ class Result:
   pairs: list[dict]           # asynchronous collectives: start, done, what runs between
   exposed_by: dict            # exposed_key() -> seconds per step; they sum to exposed_comm
   warnings: list[str]
+  # op_name -> seconds per step of Pallas kernels (custom calls with FLOPs: splash
+  # attention's, parallelism/pair_sums.py's)
+  kernels_by_op: dict = dataclasses.field(default_factory=dict)
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -650,9 +655,11 @@ class _Model:
     tl.hbm_bytes += b
     for term, seconds in compute_terms(ins.op_name, f / self.chip.matmul_rate, c):
       tl.by_term[term] = tl.by_term.get(term, 0.0) + seconds
+    key = ins.op_name or unnamed_key(ins)
     if not f:
-      key = ins.op_name or unnamed_key(ins)
       tl.by_op[key] = tl.by_op.get(key, 0.0) + c
+    elif ins.opcode == 'custom-call':
+      tl.by_kernel[key] = tl.by_kernel.get(key, 0.0) + c
     return c, f
 
   def _collective_seconds(self, ins: Instr, coll: Instr, shapes,
@@ -901,4 +908,5 @@ def analyze(text: str, chip: Chip, coords=None) -> Result:
                                sorted(tl.by_kind.items())},
                 dict(sorted(tl.by_term.items())),
                 dict(sorted(tl.by_op.items(), key=lambda kv: -kv[1])), model.pairs,
-                dict(sorted(tl.exposed_by.items(), key=lambda kv: -kv[1])), model.warnings)
+                dict(sorted(tl.exposed_by.items(), key=lambda kv: -kv[1])), model.warnings,
+                dict(sorted(tl.by_kernel.items(), key=lambda kv: -kv[1])))

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from launch import aot
 from parallelism import hardware, hlo_text, pair_sums, step_model
 from tests.conftest import ROOT
 
@@ -136,7 +137,13 @@ def test_a_weight_gradient_ring_runs_each_round_as_one_kernel(additions):
   # einsum; 'kernel' runs each round's half as one Pallas kernel (parallelism/pair_sums.py)
   # that adds both directions' accumulators as it writes, and the step model costs each
   # kernel as it declares, its FLOPs and bytes those of the shapes it runs.
-  module = hlo_text.parse(_compile('bidirectional', 'wg', layers=1, additions=additions))
+  hlo = _compile('bidirectional', 'wg', layers=1, additions=additions)
+  module = hlo_text.parse(hlo)
+  # launch.aot names the rings whose rounds run as kernels, with their modeled time
+  kernel_rings = aot.by_ring(step_model.analyze(hlo, step_model.Chip.from_profile(
+      'tpu_v4')).kernels_by_op)
+  assert [k.split(': ', 1)[1] for k in kernel_rings] == (
+      ['td,tf->df (reducescatter, bidirectional)'] if additions == 'kernel' else []), kernel_rings
   ring_ops = [(i, c) for c, instrs in module.computations.items() for i in instrs
               if 'reducescatter/bidirectional' in i.op_name]
   kernels = [(i, c) for i, c in ring_ops if i.opcode == 'custom-call']
