@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from parallelism import hlo_text, report
+from parallelism import hlo_text, pair_sums, report
 from tests.test_cli import DEFAULT, TINY
 from trainer import loop, state, step, train
 
@@ -68,19 +68,28 @@ def test_always_trains_like_never(tmp_path, layout):
   assert {f'{prefix}.{n}' for n in names + ('mlp.down', 'attn.o')} | {'unembed'} <= decomposed
 
 
-def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, monkeypatch):
+@pytest.mark.parametrize('additions', ['apart', 'kernel'])
+def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, monkeypatch,
+                                                                       additions):
   # data=2 x fsdp=4, no tensor axis: every forward einsum is the compiler's, and under
   # gradient_rings='any_forward' each weight gradient rings over fsdp where the cost model
-  # says it pays, which on the CPU profile it never does; here every ring is made to.
+  # says it pays, which on the CPU profile it never does; here every ring is made to. Under
+  # ring_additions='kernel' each of their rounds is parallelism/pair_sums.py's kernel
+  # (Pallas's interpreter on CPU).
   module = importlib.import_module('parallelism.collective_einsum')  # not the function
   real = module._estimate
   monkeypatch.setattr(module, '_estimate', lambda *a, **k: dataclasses.replace(
       real(*a, **k), compute_seconds=1.0, comm_seconds=1.0,
       seconds={'none': 2.0, 'unidirectional': 1.5, 'bidirectional': 1.1}))
+  kernels = []
+  real_kernel = pair_sums.pair_sums
+  monkeypatch.setattr(pair_sums, 'pair_sums', lambda *a, **k: kernels.append(a[0].shape)
+                      or real_kernel(*a, **k))
   common = ['--config.steps=5', '--config.log_every=1', '--config.eval_every=0',
             '--config.mesh.data=2', '--config.mesh.fsdp=4', '--config.mesh.tensor=1',
             '--config.model.scan_layers=true', '--config.model.remat=minimal',
-            '--config.parallelism.gradient_rings=any_forward']
+            '--config.parallelism.gradient_rings=any_forward',
+            f'--config.parallelism.ring_additions={additions}']
   losses = {}
   for policy in ('never', 'auto'):
     run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}', *common)
@@ -93,6 +102,7 @@ def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, 
   rings = {r['path'] for r in rows if r['decision'] == 'none' and r['gradients'] == {
       'lhs': 'none', 'rhs': 'bidirectional over fsdp'}}
   assert {f'blocks.*.{n}' for n in ('attn.q', 'attn.o', 'mlp.gate', 'mlp.down')} <= rings, rows
+  assert bool(kernels) == (additions == 'kernel'), kernels
 
 
 def test_plain_layers_stay_plain_under_always(tmp_path):
