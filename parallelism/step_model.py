@@ -234,7 +234,7 @@ def kernel_cost(ins: Instr) -> tuple[float, float] | None:
   ``tpu_custom_call``'s backend config), or None. A kernel that reads blocks of its
   operands (``parallelism/pair_sums.py``: two blocks of rows of a whole activation, and
   half of another's columns) moves fewer bytes than its operands hold; its own estimate
-  says how many (tests/test_step_model.py checks ours against its shapes). The splash
+  says how many (tests/test_tpu_aot.py checks ours against its shapes). The splash
   kernels declare none."""
   if 'tpu_custom_call' not in ins.attrs:
     return None
