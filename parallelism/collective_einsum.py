@@ -755,7 +755,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   manual = (cfg.axis,) + summed + passing
   # A Mosaic kernel runs only where every mesh axis is manual: a pair-kernel ring needs
   # every axis of size > 1 manual already and makes the others (of size 1) manual too.
-  kernel = cfg.pair_kernel and cfg.bidirectional and not cfg.activation_out and n % 2 == 0
+  kernel = (cfg.pair_kernel and cfg.bidirectional and not cfg.activation_out and n % 2 == 0
+            and plan.kind == 'reducescatter')
   ones = tuple(a for a in cfg.mesh.axis_names if a not in manual)
   if kernel and all(cfg.mesh.shape[a] == 1 for a in ones):
     manual += ones

@@ -655,11 +655,10 @@ class _Model:
     tl.hbm_bytes += b
     for term, seconds in compute_terms(ins.op_name, f / self.chip.matmul_rate, c):
       tl.by_term[term] = tl.by_term.get(term, 0.0) + seconds
-    key = ins.op_name or unnamed_key(ins)
-    if not f:
-      tl.by_op[key] = tl.by_op.get(key, 0.0) + c
-    elif ins.opcode == 'custom-call':
-      tl.by_kernel[key] = tl.by_kernel.get(key, 0.0) + c
+    by = tl.by_op if not f else tl.by_kernel if ins.opcode == 'custom-call' else None
+    if by is not None:
+      key = ins.op_name or unnamed_key(ins)
+      by[key] = by.get(key, 0.0) + c
     return c, f
 
   def _collective_seconds(self, ins: Instr, coll: Instr, shapes,
