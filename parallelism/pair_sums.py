@@ -20,9 +20,10 @@ sliced operand, its model dimension before its minor token dimension, as
 ``block_layout='contiguous'`` lays it out), ``y`` ``[P, B, T, Q]`` (its last output
 dimension ``Q`` minor, its others ``P`` major: gate/up's stacked pair, q/k/v's heads, as
 the compiler lays out the cotangents that stack them), each accumulator one half of
-``[P, rows, Q]`` (along ``P`` or ``Q``), as ``ring._in_halves`` sends them. On a CPU the kernel runs in Pallas's interpreter (the
-tests); the TPU compiles it with Mosaic. It declares its FLOPs and HBM bytes
-(``pl.CostEstimate``), which the step model reads (``step_model.kernel_cost``).
+``[P, rows, Q]`` (along ``P`` or ``Q``), as ``ring._in_halves`` sends them. On a CPU the
+kernel runs in Pallas's interpreter (the tests); the TPU compiles it with Mosaic. It
+declares its FLOPs and HBM bytes (``pl.CostEstimate``), which the step model reads
+(``step_model.kernel_cost``).
 """
 
 from __future__ import annotations
