@@ -41,13 +41,15 @@ NAME = 'ring_pair_sums'  # the kernel's name in the compiled program
 VMEM_BUDGET = 14 * 2**20
 
 
+def _tiles(size: int, quantum: int) -> list[int]:
+  """Valid block sizes along a dimension of ``size``, largest first: the multiples of
+  ``quantum`` that divide it, or ``size`` itself (a whole dimension is always valid)."""
+  return [t for t in range(size // quantum * quantum, 0, -quantum) if size % t == 0] or [size]
+
+
 def _tile(size: int, target: int, quantum: int) -> int:
-  """The largest multiple of ``quantum`` that divides ``size`` and is <= ``target``, or
-  ``size`` itself (a whole dimension is always a valid block)."""
-  for t in range(min(target, size) // quantum * quantum, 0, -quantum):
-    if size % t == 0:
-      return t
-  return size
+  """The largest of ``_tiles`` at most ``target``, else ``size``."""
+  return next((t for t in _tiles(size, quantum) if t <= target), size)
 
 
 def _blocks(p: int, q: int, rows: int, tt: int, itemsize: int,
@@ -58,8 +60,7 @@ def _blocks(p: int, q: int, rows: int, tt: int, itemsize: int,
   in scratch. Columns are a multiple of 128 dividing ``q`` (or ``q``)."""
   fixed = 2 * 2 * rows * tt * itemsize
   per_element = 2 * tt * itemsize + 8 * rows * wire_itemsize + 2 * rows * 4  # of P' x cols
-  tiles = [t for t in range(q // 128 * 128, 0, -128) if q % t == 0] or [q]
-  fits = [(pc, tq) for tq in tiles for pc in range(p, 0, -1)
+  fits = [(pc, tq) for tq in _tiles(q, 128) for pc in range(p, 0, -1)
           if p % pc == 0 and fixed + per_element * pc * tq <= VMEM_BUDGET]
   if not fits:
     raise ValueError(f'pair_sums: blocks of {rows} rows and {tt} tokens do not fit '
