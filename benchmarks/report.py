@@ -20,8 +20,8 @@ Raw results go to docs/benchmarks/results.json, plots to docs/benchmarks/*.png.
 previous results.json; ``--only aot --configs NAME ...`` re-measures those
 paper-scale configs only. Each part, and each paper-scale config, records the
 commit it was measured at. Re-running regenerates the same files from fresh
-measurements. Every run (``--render`` too) also rewrites the summary README.md
-shows between its ``README_BEGIN`` and ``README_END`` markers (``readme_summary``).
+measurements. Every run (``--render`` too) also rewrites the summary docs/results.md
+shows between its ``SUMMARY_BEGIN`` and ``SUMMARY_END`` markers (``results_summary``).
 """
 
 from __future__ import annotations
@@ -459,13 +459,13 @@ def _compute_verdict(ours: float, base: float, adds: float, rest: float) -> str:
   return f'not met: allows +{allowed:.3f}'
 
 
-README_BEGIN = '<!-- README_BEGIN: written by python -m benchmarks.report; do not edit -->'
-README_END = '<!-- README_END -->'
-README = os.path.join(ROOT, 'README.md')
+SUMMARY_BEGIN = '<!-- SUMMARY_BEGIN: written by python -m benchmarks.report; do not edit -->'
+SUMMARY_END = '<!-- SUMMARY_END -->'
+SUMMARY = os.path.join(ROOT, 'docs', 'results.md')  # links in the block are relative to docs/
 
 
-def readme_summary(aot: dict) -> list[str]:
-  """The modeled results and the issue's targets, as README.md shows them."""
+def results_summary(aot: dict) -> list[str]:
+  """The modeled results and the issue's targets, as docs/results.md shows them."""
   rows = []
   mfu_name, mfu_target = TARGETS['mfu']
   for name, s in aot.items():
@@ -479,17 +479,17 @@ def readme_summary(aot: dict) -> list[str]:
                  _shown(ours['speedup_vs_xla'], 1.0) + 'x' if ours.get('speedup_vs_xla') else '-',
                  _shown(ours['compute_seconds'] / base['compute_seconds'],
                         TARGETS['ours_compute_within'], above=True)])
-  lines = [README_BEGIN, '',
+  lines = [SUMMARY_BEGIN, '',
            'Modeled, not measured (`python -m benchmarks.report`, [docs/benchmarks.md]'
-           '(docs/benchmarks.md)): TPU programs compiled on a CPU by the real TPU compiler, '
+           '(benchmarks.md)): TPU programs compiled on a CPU by the real TPU compiler, '
            'timed by the step model; ' + step_model.calibration_summary() + ' '
-           '([docs/calibration.md](docs/calibration.md)).', '']
+           '([docs/calibration.md](calibration.md)).', '']
   lines += _table(['config', 'slice', 'mesh', 'modeled MFU: baseline / xla / ours',
                    'ours / baseline', 'ours / xla', 'ours compute / baseline compute'], rows)
-  return lines + [''] + _readme_targets(aot) + ['', README_END]
+  return lines + [''] + _summary_targets(aot) + ['', SUMMARY_END]
 
 
-def _readme_targets(aot: dict) -> list[str]:
+def _summary_targets(aot: dict) -> list[str]:
   """The issue's targets over the four paper configs on v4 (``PAPER_CONFIGS``), each with its
   verdict. A config not measured, or whose programs compared do not fit the chip's usable
   HBM, counts against a target, with the reason."""
@@ -548,22 +548,22 @@ def _readme_targets(aot: dict) -> list[str]:
                                              if short else '')]
 
 
-def _readme_parts(path: str) -> tuple[str, str]:
-  """The README's text before its summary block and after it."""
+def _summary_parts(path: str) -> tuple[str, str]:
+  """The page's text before its summary block and after it."""
   with open(path, encoding='utf-8') as f:
     text = f.read()
-  head, begin, rest = text.partition(README_BEGIN)
-  _, end, tail = rest.partition(README_END)
+  head, begin, rest = text.partition(SUMMARY_BEGIN)
+  _, end, tail = rest.partition(SUMMARY_END)
   if not (begin and end):
-    raise ValueError(f'{path}: no {README_BEGIN!r} ... {README_END!r} block to rewrite')
+    raise ValueError(f'{path}: no {SUMMARY_BEGIN!r} ... {SUMMARY_END!r} block to rewrite')
   return head, tail
 
 
-def write_readme_summary(aot: dict, path: str = README) -> None:
-  """Replaces the README's text between ``README_BEGIN`` and ``README_END``."""
-  head, tail = _readme_parts(path)
+def write_summary(aot: dict, path: str = SUMMARY) -> None:
+  """Replaces the page's text between ``SUMMARY_BEGIN`` and ``SUMMARY_END``."""
+  head, tail = _summary_parts(path)
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(head + '\n'.join(readme_summary(aot)) + tail)
+    f.write(head + '\n'.join(results_summary(aot)) + tail)
 
 
 def render_rings(aot: dict, top: int = 4) -> list[str]:
@@ -887,7 +887,7 @@ def main(argv=None) -> int:
                       help='with --only aot: re-measure these configs, keep the others '
                            f'({", ".join(AOT_CONFIGS)})')
   parser.add_argument('--render', action='store_true',
-                      help="measure nothing: rewrite the page and README.md's summary from "
+                      help="measure nothing: rewrite the page and docs/results.md's summary from "
                            'results.json')
   parser.add_argument('--default_run', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -898,7 +898,7 @@ def main(argv=None) -> int:
     print(json.dumps(default_run()))
     return 0
   try:  # before measuring for an hour, not after
-    _readme_parts(README)
+    _summary_parts(SUMMARY)
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
@@ -914,7 +914,7 @@ def main(argv=None) -> int:
       results = json.load(f)
     with open(DOC, 'w', encoding='utf-8') as f:
       f.write(render(results))
-    _readme(results)
+    _write_summary(results)
     progress(f'wrote {os.path.relpath(DOC, ROOT)} from {os.path.relpath(path, ROOT)}')
     return 0
   if args.only and os.path.exists(path):
@@ -935,17 +935,18 @@ def main(argv=None) -> int:
     f.write('\n')
   with open(DOC, 'w', encoding='utf-8') as f:
     f.write(render(results))
-  _readme(results)
+  _write_summary(results)
   progress(f'wrote {os.path.relpath(DOC, ROOT)}, {os.path.relpath(OUT, ROOT)}/')
   return 0
 
 
-def _readme(results: dict) -> None:
+def _write_summary(results: dict) -> None:
+  where = os.path.relpath(SUMMARY, ROOT)
   if results.get('aot'):
-    write_readme_summary(results['aot'])
-    progress('wrote the summary in README.md')
+    write_summary(results['aot'])
+    progress(f'wrote the summary in {where}')
   else:
-    progress('README.md: its summary kept (no paper-scale results)')
+    progress(f'{where}: its summary kept (no paper-scale results)')
 
 
 if __name__ == '__main__':

@@ -71,7 +71,7 @@ def test_the_claims_are_shown_under_the_calibrations_other_fit():
   [line, _] = report.render_mfu_target(results)
   assert 'ours 62.5% (59.0% under the calibration\'s other fit, below), not met' in line
   assert "(62.5%; 59.0% under the calibration's other fit)" in '\n'.join(
-      report._readme_targets(results))
+      report._summary_targets(results))
 
 
 def _pair(layer, executions, transfer, between, exposed, op='collective_einsum/ppermute'):
@@ -130,7 +130,7 @@ def test_a_config_without_rings_gets_the_bound_of_hiding_everything():
 
 
 def _summary_results():
-  """AOT's 500B plus a 10B without rings and a v5p row, with what the README table reads."""
+  """AOT's 500B plus a 10B without rings and a v5p row, with what the results table reads."""
   results = copy.deepcopy(AOT)
   s = results['dense_500b']
   s.update(topology='v4:8x8x16', mesh='fsdp=128 x tensor=8')
@@ -142,9 +142,9 @@ def _summary_results():
   return results
 
 
-def test_the_readme_summary_shows_each_config_and_each_targets_verdict():
-  lines = report.readme_summary(_summary_results())
-  assert lines[0] == report.README_BEGIN and lines[-1] == report.README_END
+def test_the_summary_shows_each_config_and_each_targets_verdict():
+  lines = report.results_summary(_summary_results())
+  assert lines[0] == report.SUMMARY_BEGIN and lines[-1] == report.SUMMARY_END
   assert ('| dense_500b | `v4:8x8x16` | fsdp=128 x tensor=8 | 50.0% / 55.0% / 62.5% | 1.250x | '
           '1.125x | 1.086 |') in lines
   assert '| v5p:dense_500b | `v5p:8x8x16` |' in '\n'.join(lines)
@@ -172,7 +172,7 @@ def _four_configs():
 
 
 def _targets(results):
-  return [l for l in report.readme_summary(results) if l.startswith('- ')]
+  return [l for l in report.results_summary(results) if l.startswith('- ')]
 
 
 def test_the_targets_count_missing_data_as_not_measured():
@@ -237,39 +237,39 @@ def test_a_value_short_of_its_target_never_prints_as_meeting_it():
   assert '| dense_64b | 1.1396x |' in '\n'.join(report.render_terms(results))
 
 
-def test_the_readme_block_is_rewritten_in_place(tmp_path):
-  readme = tmp_path / 'README.md'
-  readme.write_text(f'intro\n{report.README_BEGIN}\nold numbers\n{report.README_END}\nrest\n')
-  report.write_readme_summary(_summary_results(), str(readme))
-  text = readme.read_text()
-  assert text.startswith('intro\n') and text.endswith(f'{report.README_END}\nrest\n')
+def test_the_summary_block_is_rewritten_in_place(tmp_path):
+  page = tmp_path / 'results.md'
+  page.write_text(f'intro\n{report.SUMMARY_BEGIN}\nold numbers\n{report.SUMMARY_END}\nrest\n')
+  report.write_summary(_summary_results(), str(page))
+  text = page.read_text()
+  assert text.startswith('intro\n') and text.endswith(f'{report.SUMMARY_END}\nrest\n')
   assert 'old numbers' not in text and '| dense_10b |' in text
-  readme.write_text('no block\n')
+  page.write_text('no block\n')
   with pytest.raises(ValueError, match='no .* block to rewrite'):
-    report.write_readme_summary(_summary_results(), str(readme))
+    report.write_summary(_summary_results(), str(page))
 
 
-def test_the_readme_quotes_the_committed_results():
-  """README.md's summary is what the report writes from docs/benchmarks/results.json: a hand
-  edit, or results re-measured without the README rewritten, fails here."""
+def test_the_results_page_quotes_the_committed_results():
+  """docs/results.md's summary is what the report writes from docs/benchmarks/results.json: a
+  hand edit, or results re-measured without the page rewritten, fails here."""
   with open(os.path.join(ROOT, 'docs', 'benchmarks', 'results.json'), encoding='utf-8') as f:
     aot = json.load(f)['aot']
-  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+  with open(os.path.join(ROOT, 'docs', 'results.md'), encoding='utf-8') as f:
     text = f.read()
-  block = text[text.index(report.README_BEGIN):text.index(report.README_END)]
-  assert block + report.README_END == '\n'.join(report.readme_summary(aot))
+  block = text[text.index(report.SUMMARY_BEGIN):text.index(report.SUMMARY_END)]
+  assert block + report.SUMMARY_END == '\n'.join(report.results_summary(aot))
 
 
-def test_a_readme_without_the_block_stops_the_report_before_it_measures(tmp_path, monkeypatch,
-                                                                         capsys):
-  readme = tmp_path / 'README.md'
-  readme.write_text('no block\n')
-  monkeypatch.setattr(report, 'README', str(readme))
+def test_a_page_without_the_block_stops_the_report_before_it_measures(tmp_path, monkeypatch,
+                                                                       capsys):
+  page = tmp_path / 'results.md'
+  page.write_text('no block\n')
+  monkeypatch.setattr(report, 'SUMMARY', str(page))
   monkeypatch.setattr(report, 'measure_cpu', lambda: pytest.fail('measured'))
   assert report.main(['--only', 'cpu']) == 2
   err = capsys.readouterr().err
   assert err.startswith('error: ') and err.rstrip().endswith('block to rewrite'), err
-  assert readme.read_text() == 'no block\n'
+  assert page.read_text() == 'no block\n'
 
 
 @pytest.mark.parametrize('only', [['--only', 'aot'], []])
