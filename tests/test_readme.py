@@ -1,4 +1,5 @@
-"""Every command in README.md's shell blocks runs as written: modules exist, flags parse.
+"""Every command in the README's and docs/guide.md's shell blocks runs as written: modules
+exist, flags parse; every relative link in README.md and docs/*.md resolves.
 
 Commands are not run (they train, compile for TPUs or need a pod); instead each
 ``python -m MODULE`` must answer ``--help``, every ``--flag`` it uses must be one
@@ -34,7 +35,9 @@ def _commands(path: str) -> list[list[str]]:
   return commands
 
 
-COMMANDS = _commands(os.path.join(ROOT, 'README.md'))
+PAGES = ('README.md', 'docs/guide.md')  # the pages whose commands a user copies
+README_COMMANDS = _commands(os.path.join(ROOT, 'README.md'))
+COMMANDS = [c for page in PAGES for c in _commands(os.path.join(ROOT, page))]
 
 
 @functools.cache
@@ -53,9 +56,50 @@ def _python_module(argv):
 
 
 def test_the_readme_has_the_two_commands_and_python_commands():
-  assert ['make', 'train'] in [c[:2] for c in COMMANDS]
-  assert ['make', 'test'] in [c[:2] for c in COMMANDS]
-  assert sum(_python_module(c)[0] is not None for c in COMMANDS) >= 10
+  assert ['make', 'train'] in [c[:2] for c in README_COMMANDS]
+  assert ['make', 'test'] in [c[:2] for c in README_COMMANDS]
+  assert sum(_python_module(c)[0] is not None for c in README_COMMANDS) >= 10
+
+
+def test_the_readme_says_how_to_install_and_run_on_its_first_screen():
+  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  first = next(i for i, line in enumerate(lines) if line.startswith('## '))
+  assert lines[first] == '## Install and run' and first < 40, (first, lines[first])
+  assert 'make train' in '\n'.join(lines[first:first + 10])
+
+
+def _links(page: str) -> list[str]:
+  with open(os.path.join(ROOT, page), encoding='utf-8') as f:
+    text = re.sub(r'```.*?```', '', f.read(), flags=re.S)
+  return [t for t in re.findall(r'\]\(([^)\s]+)\)', text) if '://' not in t]
+
+
+LINKED = sorted({'README.md', 'CHANGELOG.md', *(
+    os.path.join('docs', p) for p in os.listdir(os.path.join(ROOT, 'docs')) if p.endswith('.md'))})
+
+
+@pytest.mark.parametrize('page', LINKED)
+def test_relative_links_resolve(page):
+  """A link to a file names one that exists; one to ``#anchor`` names a heading there."""
+  bad = []
+  for target in _links(page):
+    path, _, anchor = target.partition('#')
+    file = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else (
+        os.path.join(ROOT, page))
+    if not os.path.exists(file):
+      bad.append(target)
+    elif anchor and file.endswith('.md') and anchor not in _anchors(file):
+      bad.append(target)
+  assert not bad, f'{page}: links that resolve to nothing: {bad}'
+
+
+def _anchors(path: str) -> set[str]:
+  """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces '-'."""
+  with open(path, encoding='utf-8') as f:
+    text = re.sub(r'```.*?```', '', f.read(), flags=re.S)
+  return {re.sub(r'[^\w\- ]', '', h.strip().lower()).replace(' ', '-')
+          for h in re.findall(r'^#+ (.*)$', text, re.M)}
 
 
 @pytest.mark.parametrize('argv', COMMANDS, ids=[' '.join(c)[:60] for c in COMMANDS])
