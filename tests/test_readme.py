@@ -1,5 +1,5 @@
-"""Every command in the README's and docs/guide.md's shell blocks runs as written: modules
-exist, flags parse; every relative link in README.md and docs/*.md resolves.
+"""Every command in the shell blocks of README.md and docs/*.md runs as written: modules exist,
+flags parse; every relative link in README.md, CHANGELOG.md and docs/*.md resolves.
 
 Commands are not run (they train, compile for TPUs or need a pod); instead each
 ``python -m MODULE`` must answer ``--help``, every ``--flag`` it uses must be one
@@ -35,7 +35,9 @@ def _commands(path: str) -> list[list[str]]:
   return commands
 
 
-PAGES = ('README.md', 'docs/guide.md')  # the pages whose commands a user copies
+DOCS = sorted(os.path.join('docs', p) for p in os.listdir(os.path.join(ROOT, 'docs'))
+              if p.endswith('.md'))
+PAGES = ('README.md', *DOCS)  # every page whose commands a user copies
 README_COMMANDS = _commands(os.path.join(ROOT, 'README.md'))
 COMMANDS = [c for page in PAGES for c in _commands(os.path.join(ROOT, page))]
 
@@ -75,8 +77,7 @@ def _links(page: str) -> list[str]:
   return [t for t in re.findall(r'\]\(([^)\s]+)\)', text) if '://' not in t]
 
 
-LINKED = sorted({'README.md', 'CHANGELOG.md', *(
-    os.path.join('docs', p) for p in os.listdir(os.path.join(ROOT, 'docs')) if p.endswith('.md'))})
+LINKED = ['CHANGELOG.md', *PAGES]
 
 
 @pytest.mark.parametrize('page', LINKED)
