@@ -86,7 +86,7 @@ def test_a_fresh_run_replaces_an_earlier_runs_outputs(straight, tmp_path, capsys
   assert _main(workdir, '--config.steps=2', '--config.eval_every=0') == 0
   assert 'replacing the outputs of an earlier run (metrics.jsonl, tb)' in capsys.readouterr().out
   records = _records(workdir)
-  assert [r['step'] for r in records] == [1, 2, 2]  # two steps, the final eval, the summary
+  assert [r['step'] for r in records] == [1, 2, 2, 2]  # two steps, the final eval, the summary
   assert records[0]['loss'] == _records(straight)[0]['loss']  # the same first step
   assert len(os.listdir(workdir / 'tb')) == 1
   assert json.loads((workdir / 'config.json').read_text())['steps'] == 2
@@ -168,7 +168,7 @@ def test_the_generate_command_stops_at_the_tokenizers_end_of_document(tmp_path, 
   from trainer import tokenizer  # pylint: disable=import-outside-toplevel
   import dataclasses  # pylint: disable=import-outside-toplevel
   cfg = TransformerConfig(**{**SMALL, 'vocab_size': 264, 'num_kv_heads': 4})
-  params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(1)))))
+  params = jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(1)))))
   # Every token embeds alike and no block writes to the residual stream, so every position's
   # final state is the same positive vector; the output layer reads only end of document.
   params['embed_vd'][:] = 1.0
