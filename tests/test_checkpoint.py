@@ -256,31 +256,50 @@ def test_sigterm_saves_then_exits_and_resumes(tmp_path):
   assert resumed.returncode == 0 and f'resuming from step {stopped}' in out, out
 
 
+# Runs trainer.train with Orbax's commit of checkpoint 2 held back: that save's files are
+# written, its commit marker is not, and the file named by argv[1] says so.
+PAUSE_BEFORE_COMMIT_2 = r'''
+import asyncio, sys
+from orbax.checkpoint._src.path import atomicity
+from trainer import train
+marker, commit = sys.argv[1], atomicity.CommitFileTemporaryPath.finalize
+
+async def paused(self):
+  if self.get_final().name == '2':
+    open(marker, 'w').close()
+    await asyncio.sleep(3600)  # until killed
+  return await commit(self)
+
+atomicity.CommitFileTemporaryPath.finalize = paused
+sys.exit(train.main(sys.argv[2:]))
+'''
+
+
 def test_sigkill_during_async_save_resumes_from_last_complete(tmp_path):
-  """Kills the trainer while a checkpoint is being written; the next start skips it."""
-  directory = checkpoint.directory_of(tmp_path / 'run')
-  big = ['--config.model.d_model=256', '--config.model.mlp_dim=2048',
-         '--config.steps=200', '--config.checkpoint.every=1', '--config.checkpoint.keep=2']
-  for _ in range(3):  # the kill must land inside a save; saves are short, so retry
-    proc = _cli(tmp_path / 'run', *big)
-    killed_mid_save = False
-    deadline = time.time() + 240
-    while proc.poll() is None and time.time() < deadline:
-      if _uncommitted(directory) and checkpoint.complete_steps(directory):
-        proc.kill()
-        killed_mid_save = True
-        break
-      time.sleep(0.001)
-    proc.communicate(timeout=60)
-    if killed_mid_save and _uncommitted(directory):
+  """Kills the trainer while a checkpoint is written (paused before its commit, not raced);
+  the next start removes it and resumes from the last complete one."""
+  directory, marker = checkpoint.directory_of(tmp_path / 'run'), tmp_path / 'paused'
+  every = ['--config.steps=4', '--config.checkpoint.every=1']
+  proc = subprocess.Popen(
+      [sys.executable, '-c', PAUSE_BEFORE_COMMIT_2, str(marker), '--config', DEFAULT,
+       '--workdir', str(tmp_path / 'run'), *RUN, *every], cwd=ROOT, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+  for _ in range(6000):  # a guard against a hang, not a timing: the pause is waited for
+    if marker.exists() or proc.poll() is not None:
       break
-  else:
-    pytest.fail('could not kill the trainer in the middle of a save')
-  last = checkpoint.complete_steps(directory)[-1]
-  resumed = _cli(tmp_path / 'run', *big, f'--config.stop_after={last + 1}')
+    time.sleep(0.05)
+  if not marker.exists():
+    proc.kill()
+    pytest.fail('checkpoint 2 never reached its commit: ' + proc.communicate()[0][-3000:])
+  assert checkpoint.complete_steps(directory) == [1] and _uncommitted(directory) == ['2']
+  proc.kill()
+  proc.communicate(timeout=60)
+  # No save in the resumed run, which would write step 2 over the leftover.
+  resumed = _cli(tmp_path / 'run', '--config.steps=4', '--config.checkpoint.every=0',
+                 '--config.stop_after=2')
   out = resumed.communicate(timeout=300)[0]
-  assert resumed.returncode == 0 and f'resuming from step {last}' in out, out
-  assert not _uncommitted(directory)  # leftovers cleaned up
+  assert resumed.returncode == 0 and 'resuming from step 1' in out, out
+  assert os.listdir(directory) == ['1']  # the leftover removed at the start
 
 
 def _uncommitted(directory):

