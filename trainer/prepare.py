@@ -35,6 +35,7 @@ import json
 import math
 import multiprocessing
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -463,9 +464,31 @@ def _summary(out: str, splits: dict, tok: dict) -> None:
   print(f'prepared {out}: {train["documents"]:,} documents, {train["tokens"]:,} tokens in '
         f'{len(train["shards"])} shard(s); held out: {held["documents"]:,} documents, '
         f'{held["tokens"]:,} tokens; tokenizer {tok["name"]}')
-  print(f'train on it: python -m trainer.train --config configs/default.py '
-        f'--config.data.path={out}' + ('' if tok['byte_level'] else
-                                       f' --config.data.tokenizer={tok["path"]}'))
+  print('train on it: ' + train_command(out, tok))
+
+
+def train_command(out: str, tok: dict) -> str:
+  """The command that trains on corpus ``out``, from this directory, in a workdir of its own.
+
+  ``runs/<corpus name>``: not ``make train``'s runs/default, whose checkpoints (of the
+  embedded corpus) a run on this corpus would refuse to resume.
+  """
+  name = os.path.basename(os.path.abspath(out))
+  workdir = os.path.join('runs', name if name != 'default' else 'default_corpus')
+  config = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'configs',
+                        'default.py')
+  args = [_here(sys.executable), '-m', 'trainer.train', '--config', _here(config),
+          '--workdir', workdir, f'--config.data.path={out}']
+  if not tok['byte_level']:  # and a model vocabulary that holds it (a multiple of 128)
+    args += [f'--config.data.tokenizer={tok["path"]}',
+             f'--config.model.vocab_size={-(-tok["vocab_size"] // 128) * 128}']
+  return shlex.join(args)
+
+
+def _here(path: str) -> str:
+  """``path`` relative to the working directory when inside it, else absolute."""
+  relative = os.path.relpath(path)
+  return os.path.normpath(os.path.abspath(path)) if relative.startswith('..') else relative
 
 
 def main(argv=None) -> int:
