@@ -44,6 +44,7 @@ import numpy as np
 
 from trainer import data as data_lib
 from trainer import tokenizer as tokenizer_lib
+from trainer.extras import install_hint
 
 UNIT_BYTES = 32 << 20  # input bytes per piece of work (a worker's task)
 DOCS_PER_CALL = 1024   # documents tokenized per call
@@ -101,7 +102,7 @@ def _parquet():
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ValueError("Parquet input needs pyarrow: pip install -e '.[data]'") from None
+    raise ValueError(f'Parquet input needs pyarrow: {install_hint("data")}') from None
   return pq
 
 
