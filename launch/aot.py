@@ -68,7 +68,7 @@ from jax.experimental import topologies
 
 from launch import search
 from models.transformer import count_params
-from parallelism import hardware, mesh as mesh_lib, report, sharding, step_model
+from parallelism import cli, hardware, mesh as mesh_lib, report, sharding, step_model
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
@@ -633,4 +633,4 @@ def compile_variants(args, overrides, cfg, topology, chip, variants) -> dict | i
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run(main)

@@ -671,4 +671,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  from parallelism import cli  # pylint: disable=g-import-not-at-top  # JAX: only as a command
+  cli.run(main)

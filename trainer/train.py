@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from parallelism import mesh as mesh_lib, sharding
+from parallelism import cli, mesh as mesh_lib, sharding
 from trainer import checkpoint, config as config_lib, data, loop, pipeline, runtime, validation
 from trainer.config import Config, ConfigError
 from trainer.state import AbstractModel, model_for_mesh
@@ -297,4 +297,4 @@ def _train(run: Run) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run(main)
