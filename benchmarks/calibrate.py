@@ -51,7 +51,7 @@ import tempfile
 from launch import aot
 from parallelism import hardware, step_model
 from trainer import config as config_lib, metrics
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 from trainer.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,7 +40,7 @@ import tempfile
 import time
 
 from parallelism import step_model
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')

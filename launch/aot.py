@@ -72,7 +72,7 @@ from parallelism import cli, hardware, mesh as mesh_lib, report, sharding, step_
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 from trainer.state import abstract_model, model_for_mesh
 
 GIB = 2 ** 30

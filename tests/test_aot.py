@@ -14,7 +14,7 @@ import pytest
 from launch import aot
 from parallelism import step_model
 from tests.conftest import ROOT
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 
 DENSE_10B = os.path.join(ROOT, 'configs', 'dense_10b.py')
 # dense_10b shrunk to a few MB on 8 chips (v4:2x2x2), every dense layer decomposed.

@@ -14,7 +14,7 @@ import pytest
 from safetensors import safe_open
 
 from trainer import convert
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')

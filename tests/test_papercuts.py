@@ -18,7 +18,7 @@ from tests.test_cli import DEFAULT, TINY
 from tests.test_metrics import _row
 from tests.test_prepare import _word_tokenizer
 from tests.test_readme import COMMANDS
-from trainer import checkpoint, config as config_lib, convert, extras, optim, plot, prepare, train
+from trainer import checkpoint, config as config_lib, convert, hints, optim, plot, prepare, train
 
 # ---- commands ---------------------------------------------------------------------------
 
@@ -159,8 +159,8 @@ def test_the_extras_hint_is_the_makefiles_install():
   with open(os.path.join(ROOT, 'Makefile'), encoding='utf-8') as f:
     make = dict(re.findall(r'^(\w+) :?= (.*)$', f.read(), re.M))
   install = make['INSTALL'].replace('$(PY)', make['PY']).replace('$(VENV)', make['VENV'])
-  assert install.replace(' --quiet', '') == extras.PIP_INSTALL
-  assert extras.install_hint('plot') == (
+  assert install.replace(' --quiet', '') == hints.PIP_INSTALL
+  assert hints.install_hint('plot') == (
       ".venv/bin/python -m pip install -c constraints.txt -e '.[plot]'")
   plain = []
   for part in ('trainer', 'launch', 'benchmarks', 'parallelism', 'models'):

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.test_cli import TINY
 from trainer import plot, train
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
 # The packages of the optional extras plot, tpu and hf (setup.py), blocked during the run below.

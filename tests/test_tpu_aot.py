@@ -15,7 +15,7 @@ import pytest
 from launch import aot
 from parallelism import hardware, hlo_text, pair_sums, step_model
 from tests.conftest import ROOT
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('libtpu') is None,

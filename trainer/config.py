@@ -19,7 +19,6 @@ import argparse
 import ast
 import copy
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import inspect
@@ -29,6 +28,8 @@ import sys
 import textwrap
 import typing
 from typing import Any, Sequence
+
+from trainer import hints as hints_lib
 
 
 class ConfigError(ValueError):
@@ -387,7 +388,7 @@ def load_dict(spec: str) -> dict:
   """The values of config file ``spec``'s ``get_config()`` (a ConfigDict), as a dict."""
   path, _, arg = spec.partition(':')
   if not os.path.isfile(path):
-    raise ConfigError(f'config file not found: {path}{_config_files_hint(path)}')
+    raise ConfigError(f'config file not found: {path}{hints_lib.config_files(path)}')
   module_spec = importlib.util.spec_from_file_location('_run_config', path)
   if module_spec is None:  # e.g. a run's config.json
     raise ConfigError(f'config file {path} is not a Python module (a .py with get_config())')
@@ -439,7 +440,8 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
   while i < len(args):
     arg = args[i]
     if not arg.startswith('--config.'):
-      close = suggest(arg.lstrip('-').partition('=')[0]) if arg.startswith('--') else None
+      close = (hints_lib.suggest(arg.lstrip('-').partition('=')[0], key_types())
+               if arg.startswith('--') else None)
       _, eq, raw = arg.partition('=')
       hint = f' (did you mean --config.{close}{eq}{raw}?)' if close else ''
       raise ConfigError(f'unrecognized argument: {arg}{hint}')
@@ -465,73 +467,9 @@ def _unknown(key: str) -> typing.NoReturn:
   groups = {prefix[:-1] for prefix, _ in _sections()}
   first = next(('.'.join(parts[:i]) for i in range(1, len(parts))
                 if '.'.join(parts[:i]) not in groups), key)
-  close = suggest(key)
+  close = hints_lib.suggest(key, known)
   hint = f' (did you mean config.{close}?)' if close else ''
   raise ConfigError(f'unknown config key: config.{first}{hint}')
-
-
-# What other trainers (nanoGPT, Hugging Face, MaxText, PyTorch Lightning) call our keys:
-# an unknown key is matched by meaning before spelling (``lr`` is not ``b2``).
-ALIASES = {
-    'learning_rate': ('lr', 'peak_lr', 'max_lr', 'base_lr'),
-    'batch_size': ('bs', 'batch', 'global_batch_size', 'train_batch_size'),
-    'weight_decay': ('wd',),
-    'warmup_steps': ('warmup', 'num_warmup_steps', 'warmup_iters'),
-    'steps': ('max_steps', 'num_steps', 'train_steps', 'total_steps', 'num_train_steps',
-              'max_iters', 'iterations'),
-    'seq_len': ('seq_length', 'sequence_length', 'context', 'context_length', 'block_size',
-                'max_target_length'),
-    'max_seq_len': ('max_position_embeddings',),
-    'num_layers': ('n_layer', 'n_layers', 'num_hidden_layers', 'depth'),
-    'd_model': ('n_embd', 'hidden_size', 'emb_dim', 'embed_dim', 'dim'),
-    'num_heads': ('n_head', 'n_heads', 'num_attention_heads', 'num_query_heads'),
-    'num_kv_heads': ('n_kv_heads', 'n_kv_head', 'num_key_value_heads'),
-    'mlp_dim': ('intermediate_size', 'ffn_dim', 'd_ff', 'ffn_hidden_size'),
-    'vocab_size': ('vocab', 'n_vocab'),
-    'grad_clip': ('max_grad_norm', 'clip_grad_norm', 'gradient_clipping', 'grad_clip_norm'),
-    'grad_accum_steps': ('gradient_accumulation_steps', 'grad_accum', 'accumulate_grad_batches'),
-    'b1': ('beta1', 'adam_beta1', 'adam_b1'),
-    'b2': ('beta2', 'adam_beta2', 'adam_b2'),
-    'eps': ('epsilon', 'adam_eps', 'adam_epsilon'),
-    'eval_every': ('eval_interval', 'eval_period'),
-    'eval_steps': ('eval_iters',),
-    'log_every': ('log_interval', 'log_period', 'logging_steps'),
-    'checkpoint.every': ('save_every', 'save_interval', 'save_steps', 'checkpoint_every',
-                         'checkpoint_period'),
-    'data.path': ('dataset', 'data_dir', 'data_path', 'train_data'),
-    'num_experts': ('n_experts', 'num_local_experts'),
-    'top_k': ('num_experts_per_tok', 'num_experts_per_token'),
-}
-_MEANINGS = {alias: key for key, aliases in ALIASES.items() for alias in aliases}
-
-
-def suggest(key: str) -> str | None:
-  """The config key an unknown dotted ``key`` most likely means, or None.
-
-  First by meaning: its last part is a key of another group (``d_model`` is
-  ``model.d_model``) or another trainer's name of one (``lr``: ALIASES); in the
-  group ``key`` names, where there is one. Then by spelling.
-  """
-  known = list(key_types())
-  group, _, leaf = key.replace('-', '_').rpartition('.')
-  meant = _MEANINGS.get(leaf, leaf)
-  same = [k for k in known if k == meant or k.endswith('.' + meant)]
-  if same:
-    return next((k for k in same if k.startswith(group + '.')), same[0]) if group else same[0]
-  close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-  return close[0] if close else None
-
-
-def _config_files_hint(path: str) -> str:
-  """What follows 'config file not found': the nearest name and every file in configs/."""
-  folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'configs')
-  shown = os.path.relpath(folder)
-  if shown.startswith('..'):
-    shown = os.path.normpath(folder)
-  names = sorted(n for n in os.listdir(folder) if n.endswith('.py') and not n.startswith('_'))
-  close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.8)
-  return ((f' (did you mean {os.path.join(shown, close[0])}?)' if close else '')
-          + f'; the configs in {shown}/: ' + ', '.join(names))
 
 
 def _set(values: dict, key: str, value: Any) -> None:

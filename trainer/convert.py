@@ -41,7 +41,7 @@ from safetensors.numpy import save_file
 
 from models.transformer import Transformer, TransformerConfig
 from trainer import checkpoint, tokenizer, validation
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 
 CHECK_TOLERANCE = 1e-4
 INDEX_FILE = 'model.safetensors.index.json'

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 
 # (file name, title, y label, [(metric, line style, label suffix)])
 PLOTS = (

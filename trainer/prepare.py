@@ -43,8 +43,7 @@ import time
 import numpy as np
 
 from trainer import data as data_lib
-from trainer import tokenizer as tokenizer_lib
-from trainer.extras import install_hint
+from trainer import hints, tokenizer as tokenizer_lib
 
 UNIT_BYTES = 32 << 20  # input bytes per piece of work (a worker's task)
 DOCS_PER_CALL = 1024   # documents tokenized per call
@@ -102,7 +101,7 @@ def _parquet():
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ValueError(f'Parquet input needs pyarrow: {install_hint("data")}') from None
+    raise ValueError(f'Parquet input needs pyarrow: {hints.install_hint("data")}') from None
   return pq
 
 
@@ -478,18 +477,13 @@ def train_command(out: str, tok: dict) -> str:
   workdir = os.path.join('runs', name if name != 'default' else 'default_corpus')
   config = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'configs',
                         'default.py')
-  args = [_here(sys.executable), '-m', 'trainer.train', '--config', _here(config),
-          '--workdir', workdir, f'--config.data.path={out}']
+  args = [hints.shown_path(sys.executable), '-m', 'trainer.train',
+          '--config', hints.shown_path(config), '--workdir', workdir, f'--config.data.path={out}']
   if not tok['byte_level']:  # and a model vocabulary that holds it (a multiple of 128)
     args += [f'--config.data.tokenizer={tok["path"]}',
              f'--config.model.vocab_size={-(-tok["vocab_size"] // 128) * 128}']
   return shlex.join(args)
 
-
-def _here(path: str) -> str:
-  """``path`` relative to the working directory when inside it, else absolute."""
-  relative = os.path.relpath(path)
-  return os.path.normpath(os.path.abspath(path)) if relative.startswith('..') else relative
 
 
 def main(argv=None) -> int:

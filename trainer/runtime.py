@@ -28,7 +28,7 @@ import os
 import jax
 
 from parallelism import hardware
-from trainer.extras import install_hint
+from trainer.hints import install_hint
 from trainer.config import Config
 
 CPU_DEVICES_ENV = 'RINGTRAIN_CPU_DEVICES'
