@@ -51,6 +51,7 @@ import tempfile
 from launch import aot
 from parallelism import hardware, step_model
 from trainer import config as config_lib, metrics
+from trainer.hints import install_hint
 from trainer.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -411,7 +412,7 @@ def main(argv=None) -> int:
     return 2
   writes_doc = not overrides and not args.topology and args.configs == ','.join(CONFIGS)
   if writes_doc and importlib.util.find_spec('matplotlib') is None:
-    print("error: docs/calibration.png needs matplotlib: pip install -e '.[plot]'",
+    print(f'error: docs/calibration.png needs matplotlib: {install_hint("plot")}',
           file=sys.stderr)
     return 2
   with tempfile.TemporaryDirectory() as tmp:

@@ -40,6 +40,7 @@ import tempfile
 import time
 
 from parallelism import step_model
+from trainer.hints import install_hint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, 'docs', 'benchmarks.md')
@@ -892,7 +893,7 @@ def main(argv=None) -> int:
   parser.add_argument('--default_run', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if not args.default_run and importlib.util.find_spec('matplotlib') is None:
-    print("error: the report's plots need matplotlib: pip install -e '.[plot]'", file=sys.stderr)
+    print(f"error: the report's plots need matplotlib: {install_hint('plot')}", file=sys.stderr)
     return 2
   if args.default_run:
     print(json.dumps(default_run()))
@@ -904,8 +905,8 @@ def main(argv=None) -> int:
     return 2
   if not args.render and args.only != 'cpu' and importlib.util.find_spec('libtpu') is None:
     # Not a page without its TPU part: results.json keeps what an earlier run compiled.
-    print("error: the paper-scale part compiles TPU programs, which needs libtpu (pip install "
-          "-e '.[tpu]'); --only cpu measures the CPU part alone", file=sys.stderr)
+    print('error: the paper-scale part compiles TPU programs, which needs libtpu '
+          f"({install_hint('tpu')}); --only cpu measures the CPU part alone", file=sys.stderr)
     return 2
   path = os.path.join(OUT, 'results.json')
   previous = {}

@@ -3,10 +3,11 @@ r"""Compiles the real train step for a TPU slice ahead of time, on this CPU mach
   python -m launch.aot --config configs/dense_500b.py [--topology v4:8x8x16] \
       [--variants baseline,xla,ours] [--json] [--hlo_dir DIR] [--config.a.b=value ...]
 
-Needs the ``tpu`` extra (``pip install -e '.[tpu]'``: libtpu, the TPU compiler,
-which runs on CPU). For each variant, in its own process (``LIBTPU_INIT_ARGS``
-is read once per process), the train step of ``trainer/loop.py`` is compiled
-for the topology (default: the config's ``aot.topology``) and reported:
+Needs the ``tpu`` extra (``.venv/bin/python -m pip install -c constraints.txt -e
+'.[tpu]'``: libtpu, the TPU compiler, which runs on CPU). For each variant, in its
+own process (``LIBTPU_INIT_ARGS`` is read once per process), the train step of
+``trainer/loop.py`` is compiled for the topology (default: the config's
+``aot.topology``) and reported:
 
 * per-chip memory from ``memory_analysis()``: arguments, outputs,
   temporaries, and total = arguments + outputs + temporaries - aliased,
@@ -67,17 +68,18 @@ from jax.experimental import topologies
 
 from launch import search
 from models.transformer import count_params
-from parallelism import hardware, mesh as mesh_lib, report, sharding, step_model
+from parallelism import cli, hardware, mesh as mesh_lib, report, sharding, step_model
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
+from trainer.hints import install_hint
 from trainer.state import abstract_model, model_for_mesh
 
 GIB = 2 ** 30
 WINDOWED_EINSUM_OFF = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
 WINDOWED_EINSUM_ALL = ('--xla_jf_spmd_threshold_for_windowed_einsum_mib=0 '
                        '--xla_tpu_spmd_bidirectional_windowed_einsum=true')
-INSTALL_HINT = "pip install -e '.[tpu]'"
+INSTALL_HINT = install_hint('tpu')
 # Wang et al., ASPLOS 2023 (abstract), measured on TPU v4 pods.
 PAPER = {'speedup': (1.14, 1.38), 'mfu_500b_1024_chips': 0.72,
          'source': 'Wang et al., ASPLOS 2023 (measured on TPU v4 pods)'}
@@ -631,4 +633,4 @@ def compile_variants(args, overrides, cfg, topology, chip, variants) -> dict | i
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run(main)

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Mapping
 
-from parallelism import einsum_plan, moe
+from parallelism import cli, einsum_plan, moe
 
 
 def rows(plan: Mapping[str, Any]) -> list[dict]:
@@ -182,4 +182,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run(main)

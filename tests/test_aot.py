@@ -14,6 +14,7 @@ import pytest
 from launch import aot
 from parallelism import step_model
 from tests.conftest import ROOT
+from trainer.hints import install_hint
 
 DENSE_10B = os.path.join(ROOT, 'configs', 'dense_10b.py')
 # dense_10b shrunk to a few MB on 8 chips (v4:2x2x2), every dense layer decomposed.
@@ -25,7 +26,7 @@ SMALL = ['--config.mesh.data=1', '--config.mesh.fsdp=2', '--config.mesh.tensor=4
          '--config.model.vocab_size=1024', '--config.parallelism.collective_matmul=always']
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec('libtpu') is None,
-    reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
+    reason=f"libtpu is not installed ({install_hint('tpu')}); TPU AOT compile skipped")
 
 
 def _error_line(capsys) -> str:
@@ -38,7 +39,7 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
   monkeypatch.setitem(sys.modules, 'libtpu', None)  # find_spec('libtpu') -> None
   assert aot.main(['--config', DENSE_10B]) == 2
   line = _error_line(capsys)
-  assert line.startswith('error: ') and "pip install -e '.[tpu]'" in line
+  assert line.startswith('error: ') and install_hint('tpu') in line
 
 
 @pytest.mark.parametrize('args,expected', [

@@ -14,6 +14,7 @@ import pytest
 from safetensors import safe_open
 
 from trainer import convert
+from trainer.hints import install_hint
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -148,7 +149,7 @@ def test_check_without_transformers(hf_dir, tmp_path, capsys, monkeypatch):
   out = tmp_path / 'out'
   assert convert.main(['hf-import', '--hf_dir', hf_dir, '--out_dir', str(out), '--check']) == 2
   err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and "pip install -e '.[hf]'" in err, err
+  assert len(err.splitlines()) == 1 and install_hint('hf') in err, err
   assert not out.exists()
 
 

@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.test_cli import TINY
 from trainer import plot, train
+from trainer.hints import install_hint
 
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
 # The packages of the optional extras plot, tpu and hf (setup.py), blocked during the run below.
@@ -91,4 +92,4 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
   monkeypatch.setitem(sys.modules, 'matplotlib', None)  # its import now fails
   assert plot.main([str(tmp_path)]) == 2
   err = capsys.readouterr().err.strip()
-  assert err == "error: plots need matplotlib: pip install -e '.[plot]'", err
+  assert err == f"error: plots need matplotlib: {install_hint('plot')}", err

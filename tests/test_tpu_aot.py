@@ -15,10 +15,11 @@ import pytest
 from launch import aot
 from parallelism import hardware, hlo_text, pair_sums, step_model
 from tests.conftest import ROOT
+from trainer.hints import install_hint
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('libtpu') is None,
-    reason="libtpu is not installed (pip install -e '.[tpu]'); TPU AOT compile skipped")
+    reason=f"libtpu is not installed ({install_hint('tpu')}); TPU AOT compile skipped")
 
 
 def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '', layers: int = 0,

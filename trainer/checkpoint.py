@@ -289,6 +289,15 @@ def _manager(directory: str, items: tuple[str, ...], **options) -> ocp.Checkpoin
       atomicity_options=ATOMICITY, **options))
 
 
+def _reader(directory: str) -> ocp.CheckpointManager:
+  """A manager that restores params only: it creates, saves and deletes nothing.
+
+  Not orbax's ``read_only=True``, which logs three absl warnings at every use
+  (fine-tuning's init_from, hf-export) about the options it turns off.
+  """
+  return _manager(directory, ('params',), create=False)
+
+
 class Checkpointer:
   """Saves and restores one run's TrainState (see the module docstring)."""
 
@@ -493,7 +502,7 @@ def restore_params(path: str, abstract_params):
     more = f'; and {len(diff) - 20} more' if len(diff) > 20 else ''
     raise CheckpointError(f'{where} does not fit the model ({len(diff)} difference(s)): '
                           + '; '.join(diff[:20]) + more)
-  with _manager(directory, ('params',), read_only=True) as mngr:
+  with _reader(directory) as mngr:
     flat = _read(where, mngr, step, 'params', meta, wanted)
   return unflatten(abstract_params, flat)
 
@@ -526,7 +535,7 @@ def read_params(path: str) -> tuple[dict, dict[str, np.ndarray]]:
   where = os.path.join(directory, str(step))
   as_numpy = {k: ocp.RestoreArgs(restore_type=np.ndarray)
               for k in meta['arrays'] if not is_optimizer(k)}
-  with _manager(directory, ('params',), read_only=True) as mngr:
+  with _reader(directory) as mngr:
     flat = _restore_item(where, mngr, step, 'params',
                          ocp.args.PyTreeRestore(restore_args=as_numpy))
   _verify({k: jnp.asarray(v) for k, v in flat.items()}, meta, where)

@@ -19,7 +19,6 @@ import argparse
 import ast
 import copy
 import dataclasses
-import difflib
 import functools
 import importlib.util
 import inspect
@@ -29,6 +28,8 @@ import sys
 import textwrap
 import typing
 from typing import Any, Sequence
+
+from trainer import hints as hints_lib
 
 
 class ConfigError(ValueError):
@@ -387,7 +388,7 @@ def load_dict(spec: str) -> dict:
   """The values of config file ``spec``'s ``get_config()`` (a ConfigDict), as a dict."""
   path, _, arg = spec.partition(':')
   if not os.path.isfile(path):
-    raise ConfigError(f'config file not found: {path}')
+    raise ConfigError(f'config file not found: {path}{hints_lib.config_files(path)}')
   module_spec = importlib.util.spec_from_file_location('_run_config', path)
   if module_spec is None:  # e.g. a run's config.json
     raise ConfigError(f'config file {path} is not a Python module (a .py with get_config())')
@@ -439,7 +440,11 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
   while i < len(args):
     arg = args[i]
     if not arg.startswith('--config.'):
-      raise ConfigError(f'unrecognized argument: {arg}')
+      close = (hints_lib.suggest(arg.lstrip('-').partition('=')[0], key_types())
+               if arg.startswith('--') else None)
+      _, eq, raw = arg.partition('=')
+      hint = f' (did you mean --config.{close}{eq}{raw}?)' if close else ''
+      raise ConfigError(f'unrecognized argument: {arg}{hint}')
     key, eq, raw = arg[len('--config.'):].partition('=')
     if not eq:
       if i + 1 >= len(args):
@@ -462,8 +467,8 @@ def _unknown(key: str) -> typing.NoReturn:
   groups = {prefix[:-1] for prefix, _ in _sections()}
   first = next(('.'.join(parts[:i]) for i in range(1, len(parts))
                 if '.'.join(parts[:i]) not in groups), key)
-  close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.8)
-  hint = f' (did you mean config.{close[0]}?)' if close else ''
+  close = hints_lib.suggest(key, known)
+  hint = f' (did you mean config.{close}?)' if close else ''
   raise ConfigError(f'unknown config key: config.{first}{hint}')
 
 
@@ -604,4 +609,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  from parallelism import cli  # pylint: disable=g-import-not-at-top  # JAX: only as a command
+  cli.run(main)

@@ -41,6 +41,7 @@ from safetensors.numpy import save_file
 
 from models.transformer import Transformer, TransformerConfig
 from trainer import checkpoint, tokenizer, validation
+from trainer.hints import install_hint
 
 CHECK_TOLERANCE = 1e-4
 INDEX_FILE = 'model.safetensors.index.json'
@@ -424,7 +425,7 @@ def _import_torch_transformers():
     import transformers  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ConvertError(f'--check needs torch and transformers ({e}): '
-                       "pip install -e '.[hf]'") from None
+                       f'{install_hint("hf")}') from None
   transformers.logging.set_verbosity_error()
   return torch, transformers
 

@@ -41,7 +41,7 @@ from absl import logging as absl_logging
 from flax import nnx
 
 from models.transformer import Transformer, TransformerConfig
-from parallelism import mesh as mesh_lib, sharding
+from parallelism import cli, mesh as mesh_lib, sharding
 from trainer import checkpoint, config as config_lib, runtime, tokenizer as tokenizer_lib, validation
 from trainer.config import ConfigError, Mesh
 from trainer.state import abstract_model, with_shardings
@@ -293,4 +293,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run(main)

@@ -113,6 +113,10 @@ def _initial_state(run, checkpointer, p: Program):
     state, step = checkpointer.restore(p.abstract_state)
     log(f'resuming from step {step} ({os.path.join(checkpointer.directory, str(step))})'
         + ('; init_from is ignored' if run.cfg.init_from else ''))
+    change = optim.schedule_change(checkpoint.read_meta(checkpointer.directory, step).get(
+        'config'), run.cfg.steps, run.cfg.optimizer, step)
+    if change:
+      log(change)
     return jax.block_until_ready(state), step
   if run.cfg.init_from:
     params = checkpoint.restore_params(run.cfg.init_from, p.abstract_state.params)

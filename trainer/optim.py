@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -35,6 +36,35 @@ def learning_rate_schedule(opt_cfg: Optimizer, steps: int) -> optax.Schedule:
     return after
   return optax.join_schedules(
       [optax.linear_schedule(0.0, opt_cfg.learning_rate, warmup), after], [warmup])
+
+
+# What the schedule depends on besides ``steps``: a resume that changes one is announced.
+SCHEDULE_KEYS = ('learning_rate', 'schedule', 'warmup_steps', 'end_lr_fraction',
+                 'decay_fraction')
+
+
+def schedule_change(before: dict | None, steps: int, opt_cfg: Optimizer,
+                    step: int) -> str | None:
+  """One line saying how resuming at ``step`` changes the learning-rate schedule, or None.
+
+  ``before``: the checkpoint's config (a dict; None for a checkpoint that lacks it).
+  The schedule is a function of ``steps`` and the optimizer's SCHEDULE_KEYS, so a resume
+  with another ``--config.steps`` continues on another curve.
+  """
+  if not before:
+    return None
+  old_steps = before.get('steps', steps)
+  old = dataclasses.replace(opt_cfg, **{k: v for k, v in before.get('optimizer', {}).items()
+                                        if k in SCHEDULE_KEYS})
+  changed = ([f'steps {old_steps} -> {steps}'] if old_steps != steps else []) + [
+      f'optimizer.{k} {getattr(old, k)} -> {getattr(opt_cfg, k)}' for k in SCHEDULE_KEYS
+      if getattr(old, k) != getattr(opt_cfg, k)]
+  if not changed:
+    return None
+  was = float(learning_rate_schedule(old, old_steps)(step))
+  now = float(learning_rate_schedule(opt_cfg, steps)(step))
+  return (f'the learning-rate schedule differs from the checkpoint\'s ({", ".join(changed)}): '
+          f'the learning rate at step {step} is {now:.3g} ({was:.3g} on the old schedule)')
 
 
 def _after_warmup(opt_cfg: Optimizer, steps: int, warmup: int) -> optax.Schedule:

@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from trainer.hints import install_hint
+
 # (file name, title, y label, [(metric, line style, label suffix)])
 PLOTS = (
     ('loss', 'Loss', 'nats per token', [('loss', '-', 'train'), ('eval_loss', '--', 'eval')]),
@@ -55,7 +57,7 @@ def plot(workdirs: list[str], out_dir: str) -> list[str]:
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
   except ImportError:  # an optional extra: training does not need it
-    raise ValueError("plots need matplotlib: pip install -e '.[plot]'") from None
+    raise ValueError(f'plots need matplotlib: {install_hint("plot")}') from None
   matplotlib.use('Agg')  # files only, no display
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  # after use('Agg')
   runs = [(name, read_metrics(w)) for name, w in zip(labels(workdirs), workdirs)]

@@ -35,6 +35,7 @@ import json
 import math
 import multiprocessing
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -42,7 +43,7 @@ import time
 import numpy as np
 
 from trainer import data as data_lib
-from trainer import tokenizer as tokenizer_lib
+from trainer import hints, tokenizer as tokenizer_lib
 
 UNIT_BYTES = 32 << 20  # input bytes per piece of work (a worker's task)
 DOCS_PER_CALL = 1024   # documents tokenized per call
@@ -100,7 +101,7 @@ def _parquet():
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ValueError("Parquet input needs pyarrow: pip install -e '.[data]'") from None
+    raise ValueError(f'Parquet input needs pyarrow: {hints.install_hint("data")}') from None
   return pq
 
 
@@ -463,9 +464,26 @@ def _summary(out: str, splits: dict, tok: dict) -> None:
   print(f'prepared {out}: {train["documents"]:,} documents, {train["tokens"]:,} tokens in '
         f'{len(train["shards"])} shard(s); held out: {held["documents"]:,} documents, '
         f'{held["tokens"]:,} tokens; tokenizer {tok["name"]}')
-  print(f'train on it: python -m trainer.train --config configs/default.py '
-        f'--config.data.path={out}' + ('' if tok['byte_level'] else
-                                       f' --config.data.tokenizer={tok["path"]}'))
+  print('train on it: ' + train_command(out, tok))
+
+
+def train_command(out: str, tok: dict) -> str:
+  """The command that trains on corpus ``out``, from this directory, in a workdir of its own.
+
+  ``runs/<corpus name>``: not ``make train``'s runs/default, whose checkpoints (of the
+  embedded corpus) a run on this corpus would refuse to resume.
+  """
+  name = os.path.basename(os.path.abspath(out))
+  workdir = os.path.join('runs', name if name != 'default' else 'default_corpus')
+  config = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'configs',
+                        'default.py')
+  args = [hints.shown_path(sys.executable), '-m', 'trainer.train',
+          '--config', hints.shown_path(config), '--workdir', workdir, f'--config.data.path={out}']
+  if not tok['byte_level']:  # and a model vocabulary that holds it (a multiple of 128)
+    args += [f'--config.data.tokenizer={tok["path"]}',
+             f'--config.model.vocab_size={-(-tok["vocab_size"] // 128) * 128}']
+  return shlex.join(args)
+
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ import os
 import jax
 
 from parallelism import hardware
+from trainer.hints import install_hint
 from trainer.config import Config
 
 CPU_DEVICES_ENV = 'RINGTRAIN_CPU_DEVICES'
@@ -195,6 +196,6 @@ def start(cfg: Config) -> hardware.HardwareProfile:
   except RuntimeError as e:  # a visible TPU or GPU whose JAX plugin is missing or broken
     extra = {'tpu': 'tpu', 'gpu': 'cuda12'}.get(platform, platform)
     raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); install '
-                     f"the {extra} extra (pip install -e '.[{extra}]'), or set "
+                     f'the {extra} extra ({install_hint(extra)}), or set '
                      'JAX_PLATFORMS=cpu to train on the CPU') from None
   return hardware.detect(name, [d.device_kind for d in devices])

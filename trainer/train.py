@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from parallelism import mesh as mesh_lib, sharding
+from parallelism import cli, mesh as mesh_lib, sharding
 from trainer import checkpoint, config as config_lib, data, loop, pipeline, runtime, validation
 from trainer.config import Config, ConfigError
 from trainer.state import AbstractModel, model_for_mesh
@@ -120,7 +120,7 @@ def _check_checkpoints(run: Run) -> int | None:
             if meta['model'].get(k) != v and k not in run.model_cfg.EXECUTION_ONLY]
     if meta.get('seed') != cfg.seed:
       diff.append(f'seed: {meta.get("seed")} in the checkpoint, {cfg.seed} now')
-    diff += _data_differences(meta.get('data', {}).get('stream'), run)
+    diff += _data_differences(meta, run)
     if diff:
       raise ValueError(f'{workdir} has checkpoints of another run (' + '; '.join(diff)
                        + '): use another --workdir, or delete its checkpoints/ to start over')
@@ -137,14 +137,26 @@ def _check_checkpoints(run: Run) -> int | None:
   return None
 
 
-def _data_differences(stored: dict | None, run: Run) -> list[str]:
-  """What defines the training batches, where a checkpoint's differs from this run's."""
+def _data_differences(meta: dict, run: Run) -> list[str]:
+  """What defines the training batches, where checkpoint ``meta``'s differs from this run's.
+
+  Two kinds of data (a text file's windows, a prepared corpus's documents) are
+  identified by different keys: then the paths are named, as each run set them.
+  """
+  stored = meta.get('data', {}).get('stream')
   now = pipeline.identity(run.corpus, run.cfg.batch_size, run.cfg.seq_len)
   if stored is None:  # written before checkpoints recorded it
     return []
   # A key the checkpoint lacks was added after it was written: compared where recorded.
-  return [f'data {k}: {stored[k]!r} in the checkpoint, {now.get(k)!r} now'
-          for k in sorted(stored) if stored[k] != now.get(k)]
+  diff = [f'data {k}: {stored[k]!r} in the checkpoint, {now[k]!r} now'
+          for k in sorted(stored) if k in now and stored[k] != now[k]]
+  missing = sorted(set(stored) - set(now))  # another kind of data: name it as set
+  before = meta.get('config', {}).get('data', {}).get('path')
+  if missing and before is not None:
+    diff.insert(0, f'data.path: {before!r} in the checkpoint, {run.cfg.data.path!r} now')
+  elif missing:
+    diff += [f'data {k}: {stored[k]!r} in the checkpoint, absent now' for k in missing]
+  return diff
 
 
 def _check_workdir(workdir: str | None) -> None:
@@ -285,4 +297,4 @@ def _train(run: Run) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  cli.run(main)
