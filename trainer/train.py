@@ -127,7 +127,7 @@ def _check_checkpoints(run: Run) -> int | None:
       diff.append(f'seed: {meta.get("seed")} in the checkpoint, {cfg.seed} now')
     diff += _data_differences(meta.get('data', {}).get('stream'), run)
     stored, now = _tokenizers(meta, os.path.join(directory, str(step)), run)
-    if stored != now:
+    if not _same_tokenizer(stored, now):
       diff.append(f'tokenizer: {_tokenizer_name(stored)} in the checkpoint, '
                   f'{_tokenizer_name(now)} now')
     if diff:
@@ -141,7 +141,7 @@ def _check_checkpoints(run: Run) -> int | None:
     source, step = checkpoint.resolve(cfg.init_from)
     meta = checkpoint.read_meta(source, step)
     stored, now = _tokenizers(meta, cfg.init_from, run)
-    if stored != now:  # same shapes, but every embedding row would stand for another token
+    if not _same_tokenizer(stored, now):  # same shapes, each embedding row another token's
       raise ValueError(f'init_from={cfg.init_from} was trained on the ids of tokenizer '
                        f'{_tokenizer_name(stored)}, this run uses {_tokenizer_name(now)} '
                        f'(data.tokenizer={cfg.data.tokenizer!r}): set --config.data.tokenizer '
@@ -156,8 +156,8 @@ def _check_checkpoints(run: Run) -> int | None:
 
 
 def _tokenizers(meta: dict, path: str, run: Run) -> tuple[dict | None, dict | None]:
-  """(the checkpoint's tokenizer, this run's) as loop.tokenizer_identity gives them; both
-  None where either is unknown (nothing to compare).
+  """(the checkpoint's tokenizer, this run's) as loop.tokenizer_identity gives them (None:
+  unknown, nothing to compare).
 
   Checkpoints from before the tokenizer was recorded: the tokenizer file beside them
   (hf-import) or their run's data.tokenizer (tokenizer.for_checkpoint), where it still
@@ -174,7 +174,12 @@ def _tokenizers(meta: dict, path: str, run: Run) -> tuple[dict | None, dict | No
           data_path == 'synthetic' or data_path.endswith(('.npy', '.bin'))))
     except ValueError:  # its tokenizer file is gone: nothing to compare with
       stored = None
-  return (stored, now) if stored is not None and now is not None else (None, None)
+  return stored, now
+
+
+def _same_tokenizer(a: dict | None, b: dict | None) -> bool:
+  """By content: a tokenizer file renamed or moved is the same tokenizer."""
+  return a is None or b is None or a.get('sha256') == b.get('sha256')
 
 
 def _tokenizer_name(identity: dict) -> str:
