@@ -1,6 +1,6 @@
 r"""Trains a Transformer LM from a config file.
 
-  python -m trainer.train --config configs/default.py [--workdir DIR] \
+  python -m trainer.train --config configs/default.py [--workdir DIR] [--verbose] \
       [--config.a.b=value ...]
 
 Outputs in the workdir (default ``runs/<config name>``): ``config.json`` (the
@@ -9,7 +9,11 @@ eval), TensorBoard event files in ``tb/`` and ``parallelism_report.json`` (what
 the parallelism layer decided for every dense layer). Bad input exits with status 2
 and a one-line message before anything is compiled or written; so does a workdir
 another run is using (it holds ``ringtrain.lock`` there, see lock_workdir). A
-corrupt checkpoint exits with status 1, naming it.
+corrupt checkpoint exits with status 1, naming it; so does a failed save, and a
+full disk or I/O error (one line; ``--verbose`` adds the traceback). An earlier
+run's outputs are replaced only once this run has compiled and passed its first
+steps. SIGTERM, SIGINT and SIGHUP save and exit 128 + the signal's number
+(trainer/runtime.py).
 """
 
 from __future__ import annotations
