@@ -15,6 +15,12 @@ meet, each reports), then are stopped (SIGTERM, then SIGKILL after a grace
 period), the tail of the failing process's log is shown, and the launcher exits
 with that process's status, all within 60 seconds.
 
+SIGINT (Ctrl-C) and SIGTERM to the launcher are forwarded to every process,
+which saves and stops (trainer/runtime.py); the launcher waits for them and
+exits with their status. A second Ctrl-C is forwarded too: the processes stop at
+once. The processes die with the launcher however it ends (on Linux the kernel
+sends them SIGTERM when it exits, PR_SET_PDEATHSIG), so none trains on unsupervised.
+
 A command with ``--config`` has its config loaded with the command's
 ``--config.*`` overrides (``--config.k=v`` or ``--config.k v``, as the trainer
 reads them) and validated before anything starts or is written: bad input
@@ -24,6 +30,7 @@ exits 2 with one line ``error: ...``, as the trainer would.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import signal
@@ -120,16 +127,35 @@ def workdir_of(command: list[str]) -> str:
   return os.path.join('runs', os.path.splitext(os.path.basename(spec.partition(':')[0]))[0])
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int):
+  """A preexec_fn: the child gets SIGTERM when ``parent`` exits (Linux; elsewhere nothing)."""
+  def preexec():
+    if sys.platform.startswith('linux'):
+      ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the line above: nobody would tell us
+      os._exit(1)  # pylint: disable=protected-access
+  return preexec
+
+
 class Process:
-  """One child: its output is prefixed on our stdout and copied to its log file."""
+  """One child: its output is prefixed on our stdout and copied to its log file.
+
+  start() reads its output; the processes are all made before any reader
+  thread starts (a preexec_fn is safe only in a process without threads).
+  """
 
   def __init__(self, index: int, command: list[str], env: dict, log_path: str):
     self.index, self.log_path = index, log_path
     self.log = open(log_path, 'w', encoding='utf-8')  # pylint: disable=consider-using-with
     self.popen = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=_die_with(os.getpid()))
     self.reader = threading.Thread(target=self._pump, daemon=True)
+
+  def start(self) -> None:
     self.reader.start()
 
   def _pump(self) -> None:
@@ -165,18 +191,41 @@ def launch(num: int, per_process: int, command: list[str], log_dir: str) -> int:
            'RINGTRAIN_NUM_PROCESSES': str(num), 'RINGTRAIN_PROCESS_ID': str(i),
            'RINGTRAIN_CPU_DEVICES': str(per_process), 'PYTHONUNBUFFERED': '1'}
     procs.append(Process(i, command, env, os.path.join(log_dir, f'process_{i}.log')))
-  previous = signal.signal(signal.SIGTERM, lambda *_: _stop(procs))
+  for p in procs:
+    p.start()
+  stopping = []
+
+  def forward(signum, frame):  # pylint: disable=unused-argument
+    if not stopping:
+      print(f'launch.local: {signal.Signals(signum).name}: passed on to the processes; '
+            'waiting for them to save and stop', file=sys.stderr, flush=True)
+    stopping.append(signum)
+    for p in procs:
+      p.signal(signum)
+
+  previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return _supervise(procs)
+    return _supervise(procs, stopping)
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
 
-def _supervise(procs: list[Process]) -> int:
+def _supervise(procs: list[Process], stopping: list) -> int:
+  """Until every process has ended; returns the launcher's exit status.
+
+  ``stopping``: the signals passed on so far; once there is one, every process
+  is waited for, however the first ended (each is saving).
+  """
   while True:
     codes = [p.popen.poll() for p in procs]
     failed = [p for p, c in zip(procs, codes) if c not in (None, 0)]
-    if failed:
+    if stopping and all(c is not None for c in codes):
+      for p in procs:
+        p.reader.join(timeout=5)
+      code = next((c for c in codes if c), 0)
+      return code if code >= 0 else 128 - code
+    if failed and not stopping:
       first = failed[0]
       code = first.popen.returncode
       print(f'launch.local: process {first.index} exited with status {code}; stopping the '

@@ -10,6 +10,19 @@ the last file of a save; Orbax's commit-file mode, which writes in place and
 renames nothing), so what a process killed in the middle of a save leaves is
 never taken for a checkpoint, on any filesystem; the next start removes it.
 
+Only what ringtrain wrote is ever removed: a save makes its step directory with
+``ringtrain_save.txt`` in it before anything else (:class:`StepPath`), and only a
+step directory holding that marker (or nothing at all) and no commit marker is
+taken for an unfinished save of ours. Anything else under ``checkpoints/`` (a
+backup, notes, ``-5/``, ``25.tmp/``, a file) is left as it is, named in one
+warning line at the start; a save whose step directory exists and is not ours
+stops the run instead of overwriting it.
+
+A save that fails, in the foreground or in the background (permissions, a full
+disk, an I/O error), is :class:`SaveFailed`: the loop learns of it at the next
+step boundary (:meth:`Checkpointer.check`) and stops, naming the path and the
+OS error; the last complete checkpoint is left as it was.
+
 Every array is stored under a flat dotted name (``blocks.0.attn.q_dnh``,
 ``opt.0.mu.blocks.0.attn.q_dnh``), so restores can say which names differ, and
 restoring onto another mesh or device count is a matter of the target
@@ -26,6 +39,7 @@ evidence of damage (:class:`UnreadableCheckpoint`): the run stops, moving nothin
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -37,6 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from etils import epath
+from orbax.checkpoint.path import atomicity
+
 from trainer.config import Checkpoint
 
 FORMAT = 'ringtrain-checkpoint-2'
@@ -44,6 +61,7 @@ FORMAT = 'ringtrain-checkpoint-2'
 FORMATS = ('ringtrain-checkpoint-1', FORMAT)
 SUBDIR = 'checkpoints'
 COMMIT_MARKER = 'commit_success.txt'  # orbax's atomicity_types.COMMIT_SUCCESS_FILE
+OWN_MARKER = 'ringtrain_save.txt'  # the first file of a save: the step directory is ours
 # In place, committed by COMMIT_MARKER: completeness does not rest on atomic renames
 # (which GCS FUSE, for one, does not have).
 ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
@@ -57,6 +75,11 @@ class CheckpointError(ValueError):
 
 class CorruptCheckpoint(CheckpointError):
   """A complete checkpoint that cannot be read or disagrees with itself (exit status 1)."""
+  exit_status = 1
+
+
+class SaveFailed(CheckpointError):
+  """A save that could not be written (permissions, a full disk, I/O); exit status 1."""
   exit_status = 1
 
 
@@ -192,6 +215,71 @@ def complete_steps(directory: str) -> list[int]:
                 if d.isdigit() and _is_complete(os.path.join(directory, d)))
 
 
+def is_unfinished_save(step_dir: str) -> bool:
+  """Whether ``step_dir`` is a save of ours that never committed (safe to remove).
+
+  A step directory (digits, a real directory) without the commit marker that
+  holds OWN_MARKER, or nothing at all (a save killed between making its
+  directory and marking it).
+  """
+  name = os.path.basename(step_dir)
+  if not (name.isdigit() and os.path.isdir(step_dir)) or os.path.islink(step_dir):
+    return False
+  if _is_complete(step_dir):
+    return False
+  return os.path.isfile(os.path.join(step_dir, OWN_MARKER)) or not os.listdir(step_dir)
+
+
+_SET_ASIDE = re.compile(r'\d+\.corrupt(\.\d+)?')  # Checkpointer._set_aside's names
+
+
+def foreign_entries(directory: str) -> list[str]:
+  """Names in a checkpoints directory that ringtrain did not write (left alone)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(n for n in os.listdir(directory) if not (
+      n.isdigit() and (_is_complete(os.path.join(directory, n))
+                       or is_unfinished_save(os.path.join(directory, n)))
+      or _SET_ASIDE.fullmatch(n) and os.path.isdir(os.path.join(directory, n))))
+
+
+class StepPath(atomicity.CommitFileTemporaryPath):
+  """Orbax's in-place step directory (commit-file mode), which Orbax removes only if ours.
+
+  Orbax takes any directory without a commit marker for an unfinished save and
+  removes it: at start (``cleanup_tmp_directories``) and when a save of that step
+  begins. Here a save marks its directory first (OWN_MARKER), only marked (or
+  empty) directories count as unfinished saves, and a save refuses to replace a
+  directory that is not ours.
+  """
+
+  @classmethod
+  async def validate(cls, temporary_path: epath.Path):
+    await super().validate(temporary_path)
+    if not is_unfinished_save(os.fspath(temporary_path)):
+      raise atomicity.ValidationError(f'{temporary_path} is not a save of ringtrain')
+
+  async def create(self) -> epath.Path:
+    path = os.fspath(self._tmp_path)
+    if os.path.lexists(path) and not is_unfinished_save(path):
+      raise FileExistsError(f'{path} exists and is not a checkpoint ringtrain started (no '
+                            f'{OWN_MARKER}): move it away')
+    mode = self._path_permission_mode
+
+    async def mkdir_marked(tmp_dir, parents, exist_ok, mode=mode):
+      def make():
+        tmp_dir.mkdir(parents=parents, exist_ok=exist_ok,
+                      **({'mode': mode} if mode is not None else {}))
+        (tmp_dir / OWN_MARKER).write_text('a checkpoint being written by ringtrain; '
+                                          f'complete once {COMMIT_MARKER} is here\n')
+      await asyncio.to_thread(make)
+
+    # pylint: disable-next=protected-access  # Orbax's own creation, with our mkdir
+    return await atomicity._create_tmp_directory(
+        mkdir_marked, self._tmp_path, path_permission_mode=mode,
+        checkpoint_metadata_store=self._checkpoint_metadata_store)
+
+
 def read_meta(directory: str, step: int) -> dict:
   """The JSON metadata of one checkpoint, read without starting JAX.
 
@@ -285,8 +373,12 @@ def newest_good(steps: list[int], on_corrupt: str, load: Callable[[int], Any],
 # --------------------------------------------------------------- a run's
 
 def _manager(directory: str, items: tuple[str, ...], **options) -> ocp.CheckpointManager:
+  # The step directory is made in save() itself, not in a background thread: one that
+  # cannot be made (permissions) fails there, where Orbax's writer threads would wait
+  # for it until their timeout.
   return ocp.CheckpointManager(directory, item_names=items, options=ocp.CheckpointManagerOptions(
-      atomicity_options=ATOMICITY, **options))
+      atomicity_options=ATOMICITY, temporary_path_class=StepPath,
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False), **options))
 
 
 def _reader(directory: str) -> ocp.CheckpointManager:
@@ -303,10 +395,18 @@ class Checkpointer:
 
   def __init__(self, workdir: str, policy: Checkpoint):
     self.directory, self.policy = directory_of(workdir), policy
+    foreign = foreign_entries(self.directory)
+    if foreign and jax.process_index() == 0:
+      print(f'warning: {self.directory} holds what ringtrain did not write, left as it is: '
+            + ', '.join(foreign[:10]) + (f' and {len(foreign) - 10} more' if len(foreign) > 10
+                                         else ''))
+    # Orbax's clean-up sees only our unfinished saves (StepPath.validate).
     self._mngr = _manager(
         self.directory, ('params', 'opt_state', 'meta'), max_to_keep=policy.keep,
         keep_period=policy.keep_period or None,
         enable_async_checkpointing=policy.async_save, cleanup_tmp_directories=True)
+    self._saving = None  # the step of the save started last, until known to be complete
+    self._failure = None  # the SaveFailed raised, once
 
   def steps(self) -> list[int]:
     return complete_steps(self.directory)
@@ -315,18 +415,45 @@ class Checkpointer:
     """Starts saving ``state``; returns once its arrays are copied off the devices.
 
     ``data_position``: the input pipeline's state after the batch of this step
-    (trainer/pipeline.py), kept in the metadata's ``data``.
+    (trainer/pipeline.py), kept in the metadata's ``data``. Raises SaveFailed
+    when this save, or the one before it, failed.
     """
     step = int(state.step)
+    self.wait()  # Orbax would wait for the previous save anyway; its failure is that one's
+    where = os.path.join(self.directory, str(step))
+    if os.path.lexists(where) and not is_unfinished_save(where):
+      raise self._failed(step, FileExistsError(
+          f'{where} exists and ringtrain did not start it (no {OWN_MARKER}): move it away, '
+          'then run the same command to resume'))
     params, opt = flatten(state.params), flatten({'step': state.step, 'opt': state.opt_state})
     if data_position is not None:
       meta = {**meta, 'data': {**meta.get('data', {}), 'position': data_position}}
     meta = {**meta, 'format': FORMAT, 'step': step,
             'arrays': {**describe(params), **describe(opt)},
             'checksums': {**checksums(params), **checksums(opt)}}
-    self._mngr.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt),
-        meta=ocp.args.JsonSave(meta)), force=True)
+    self._saving = step
+    try:
+      self._mngr.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt),
+          meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:  # pylint: disable=broad-except  # Orbax and TensorStore raise anything
+      raise self._failed(step, e) from None
+
+  def check(self) -> None:
+    """Raises SaveFailed if the last save failed; returns at once while it is running."""
+    if self._saving is not None and not self._mngr.is_saving_in_progress():
+      self.wait()
+
+  def _failed(self, step: int, error: BaseException) -> SaveFailed:
+    """The one-line SaveFailed for the save of ``step`` failing with ``error``."""
+    self._saving = None
+    steps = [s for s in self.steps() if s != step]
+    kept = (f'the last complete checkpoint (step {steps[-1]}) is intact' if steps else
+            'no complete checkpoint')
+    self._failure = SaveFailed(
+        f'checkpoint {step}: saving to {os.path.join(self.directory, str(step))} failed: '
+        f'{os_cause(error)}; stopped, {kept}')
+    return self._failure
 
   def restore(self, abstract_state) -> tuple[Any, int]:
     """The newest good checkpoint as a state sharded like ``abstract_state``."""
@@ -376,11 +503,27 @@ class Checkpointer:
                                                         restored['params']), rest['opt'])
 
   def wait(self) -> None:
-    """Blocks until the last save is complete on disk."""
-    self._mngr.wait_until_finished()
+    """Blocks until the last save is complete on disk; raises SaveFailed if it failed."""
+    step, self._saving = self._saving, None
+    if self._failure is not None:  # reported already: the threads it left have ended
+      return
+    try:
+      self._mngr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._failed(step, e) from None
+    # Orbax may log a failed commit and carry on (its _finalize_checkpoint): the marker tells.
+    if (step is not None and jax.process_index() == 0
+        and not _is_complete(os.path.join(self.directory, str(step)))):
+      raise self._failed(step, FileNotFoundError(
+          f'{COMMIT_MARKER} was not written (see the log above)'))
 
   def close(self) -> None:
-    self._mngr.close()
+    """Ends Orbax's threads; after a failed save, without raising its error again."""
+    try:
+      self._mngr.close()
+    except Exception:  # pylint: disable=broad-except
+      if self._failure is None:
+        raise
 
 
 def _read(where: str, mngr, step: int, item: str, meta: dict, wanted: dict) -> dict:
@@ -473,6 +616,19 @@ def _diagnosis(error: BaseException) -> tuple[bool, BaseException]:
       return False, e
   worded = [e for e in chain if _DAMAGE_WORDS.search(str(e))]
   return (True, worded[-1]) if worded else (False, chain[-1])
+
+
+def os_cause(error: BaseException) -> str:
+  """The operating system's words for a failed write, naming the file (one line).
+
+  The innermost OSError of ``error``'s chain (what Orbax or TensorStore wrapped),
+  else the error in its words.
+  """
+  found = [e for e in _chain(error) if isinstance(e, OSError) and e.strerror]
+  if not found:
+    return _cause(_chain(error)[-1], keep_status=True)
+  e = found[-1]
+  return f'{e.strerror} ({e.filename})' if e.filename else e.strerror
 
 
 def _cause(error: BaseException, keep_status: bool = False) -> str:

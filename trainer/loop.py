@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import os
 import signal
-import threading
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from models.transformer import count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding
-from trainer import checkpoint, data, metrics as metrics_lib, optim, pipeline, profiling
+from trainer import checkpoint, data, metrics as metrics_lib, optim, pipeline, profiling, runtime
+from trainer import tokenizer as tokenizer_lib
 from trainer.config import Config
 from trainer.state import AbstractModel, with_shardings
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
 class Stopped(Exception):
-  """The run ended before ``steps``: preempted (SIGTERM) or a non-finite loss."""
+  """The run ended before ``steps``: a stop signal (SIGTERM, SIGINT, SIGHUP) or a non-finite
+  loss; ``exit_code`` 128 + the signal's number, or 3."""
 
   def __init__(self, message: str, exit_code: int):
     super().__init__(message)
@@ -130,8 +130,11 @@ def _initial_state(run, checkpointer, p: Program):
 def train(run) -> dict:
   """Trains ``run`` (a validated trainer.train.Run); returns the last eval record.
 
-  Raises Stopped when the run ends early (preemption, non-finite loss) after
-  saving what can be saved.
+  Raises Stopped when the run ends early (a stop signal, a non-finite loss)
+  after saving what can be saved, and checkpoint.SaveFailed when a save failed.
+  The outputs of an earlier run in the workdir are replaced (or, resuming,
+  trimmed to the checkpoint's step) only once this run's first steps have passed:
+  at its first metrics record or checkpoint (see begin_outputs).
   """
   cfg = run.cfg
   is_main = jax.process_index() == 0
@@ -145,30 +148,39 @@ def train(run) -> dict:
     train_step = s.train_step.lower(s.state, s.get_batch(s.start_step)).compile()
     compile_s = clock.lap('compile')
     profiling.dump_hlo(cfg.profile, run.workdir, train_step, log)
-    flops_tok, peak = _announce(run, s, compile_s, log, write_report=is_main)
-    if is_main:
-      metrics_lib.trim(run.workdir, s.start_step)
+    flops_tok, peak, layer_rows = _announce(run, s, compile_s, log)
+    begin = functools.partial(begin_outputs, run, s.start_step, layer_rows, s.ops.policy)
     clock.lap('setup')
-    with _preemption_signal() as preempted:
+    with runtime.stop_signals() as stops:
       try:
-        return _loop(run, s, train_step, ckpt, policy, preempted, (flops_tok, peak), log, clock)
-      finally:  # a SIGTERM while the last save is written is still ours, not a kill
+        return _loop(run, s, train_step, ckpt, policy, stops, (flops_tok, peak), log, clock,
+                     begin)
+      finally:  # a signal while the last save is written is still ours, not a kill
         ckpt.wait()
   finally:
     ckpt.wait()
     ckpt.close()
 
 
-def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock) -> dict:
+def begin_outputs(run, start_step: int, layer_rows: list, policy) -> None:
+  """Process 0 starts this run's outputs: replaces an earlier run's (or trims them to
+  ``start_step``, resuming), writes config.json and parallelism_report.json."""
+  metrics_lib.begin(run.workdir, start_step)
+  with open(os.path.join(run.workdir, 'config.json'), 'w', encoding='utf-8') as f:
+    f.write(run.cfg.to_json(indent=2) + '\n')
+  report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, policy)
+
+
+def _loop(run, s: Setup, train_step, ckpt, policy, stops, flops, log, clock, begin=None) -> dict:
   cfg = run.cfg
   last_step = cfg.stop_after or cfg.steps
   writer = metrics_lib.MetricsWriter(run.workdir, last_step, s.start_step,
-                                     enabled=jax.process_index() == 0, clock=clock)
+                                     enabled=jax.process_index() == 0, clock=clock, begin=begin)
   meta = checkpoint_meta(run)
   tracer = profiling.StepTracer(cfg.profile, run.workdir, s.start_step, log)
   steps = _StepMetrics(cfg, s.schedule, flops, run.mesh.size, writer, ckpt, last_step)
   overlap = overlaps_steps(run.mesh)
-  state, eval_record, done = s.state, {}, s.start_step
+  state, eval_record, done, finished = s.state, {}, s.start_step, False
   clock.lap('setup')  # opening the writers is not the first step's data wait
   try:
     for step in range(s.start_step, last_step):
@@ -183,9 +195,10 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock)
       if not overlap or evaluate or periodic or tracer.ends_with(step):
         steps.wait()  # this step's state is used next (or the CPU waits for every step)
       seconds += clock.lap('device_step')
-      # Processes agree on SIGTERM where every step waits anyway (CPU) or at log
-      # steps; a single process reads its own flag every step.
-      stop = preempted(agree=not overlap or done % cfg.log_every == 0 or done == last_step)
+      # Processes agree on a stop signal, or a failed save, where every step waits anyway
+      # (CPU) or at log steps; a single process reads its own every step.
+      stop = stops.check(ckpt, agree=not overlap or done % cfg.log_every == 0
+                         or done == last_step)
       if stop:
         steps.wait()
       save = periodic or (stop and policy.every)
@@ -197,18 +210,21 @@ def _loop(run, s: Setup, train_step, ckpt, policy, preempted, flops, log, clock)
         clock.lap('eval')
         writer.write(done, eval_record)
       if save:
+        writer.begin()  # a checkpoint of this run: its outputs are the workdir's now
         ckpt.save(state, meta, data_position=s.get_batch.position())
         log(f'checkpoint {done}: saving to {ckpt.directory}'
             + (' in the background' if policy.async_save else ''))
       if stop:
         ckpt.wait()
-        raise Stopped(f'stopped by SIGTERM after step {done}' + (
+        raise Stopped(f'stopped by {signal.Signals(stop).name} after step {done}' + (
             '; checkpoint saved: run the same command to resume' if policy.every else
-            '; checkpointing is off (checkpoint.every=0), nothing saved'), 143)
+            '; checkpointing is off (checkpoint.every=0), nothing saved'), 128 + stop)
       clock.lap('checkpoint')  # the save above; not step time
+    finished = True
   finally:
     tracer.close()
-    writer.write_summary(steps.last_read or done)
+    if finished or writer.started:  # a run stopped before its first record replaces nothing
+      writer.write_summary(steps.last_read or done)
     writer.close()
   if cfg.stop_after and cfg.stop_after < cfg.steps:
     log(f'stopped after step {cfg.stop_after} of {cfg.steps} (stop_after); ' + (
@@ -281,7 +297,17 @@ def checkpoint_meta(run) -> dict:
   return {'model': dataclasses.asdict(run.model_cfg), 'seed': run.cfg.seed,
           'mesh': mesh_lib.describe(run.mesh), 'processes': jax.process_count(),
           'config': run.cfg.to_dict(),
-          'data': {'stream': pipeline.identity(run.corpus, run.cfg.batch_size, run.cfg.seq_len)}}
+          'data': {'stream': pipeline.identity(run.corpus, run.cfg.batch_size, run.cfg.seq_len)},
+          'tokenizer': tokenizer_identity(run.cfg.data.tokenizer, run.corpus.byte_level)}
+
+
+def tokenizer_identity(spec: str, byte_level: bool) -> dict | None:
+  """What the token ids of a run mean: ``{'name': 'bytes'}``, or a tokenizer file's name
+  and SHA-256; None where unknown (token files or synthetic tokens, no data.tokenizer)."""
+  if not spec:
+    return {'name': 'bytes'} if byte_level else None
+  path = tokenizer_lib.resolve(spec)
+  return {'name': os.path.basename(path), 'sha256': data.file_sha256(path)}
 
 
 def _check_finite(out, step: int, on_nonfinite: str, ckpt) -> None:
@@ -303,38 +329,8 @@ def _check_finite(out, step: int, on_nonfinite: str, ckpt) -> None:
                 '--config.on_nonfinite=skip drops such updates instead', 3)
 
 
-@contextlib.contextmanager
-def _preemption_signal():
-  """Yields ``preempted(agree)``: whether SIGTERM arrived (the loop then saves and stops).
-
-  With several processes, SIGTERM reaches them at different moments; they
-  agree (an all-gather of the flags, which waits for the step in flight) where
-  the loop passes ``agree=True``, so that all save and stop after the same step;
-  elsewhere they answer False. A single process answers its own flag.
-  """
-  received = []
-  handler = lambda signum, frame: received.append(signum)
-  if threading.current_thread() is not threading.main_thread():
-    yield lambda agree=True: False
-    return
-
-  def preempted(agree: bool = True) -> bool:
-    if jax.process_count() == 1:
-      return bool(received)
-    if not agree:
-      return False
-    flags = multihost_utils.process_allgather(np.int32(bool(received)))
-    return bool(np.max(flags))
-
-  previous = signal.signal(signal.SIGTERM, handler)
-  try:
-    yield preempted
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-
-
-def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
-  """Prints what will run and writes the parallelism report; returns FLOP numbers."""
+def _announce(run, s: Setup, compile_s: float, log):
+  """Prints what will run; returns FLOP numbers and the parallelism report's rows."""
   cfg, mesh, ops = run.cfg, run.mesh, s.ops
   flops_tok = metrics_lib.flops_per_token(run.model_cfg, cfg.seq_len)
   peak, peak_source = hardware.peak_flops_per_device(
@@ -349,9 +345,7 @@ def _announce(run, s: Setup, compile_s: float, log, write_report: bool):
   layer_rows = report.rows(ops.plan)
   path = os.path.join(run.workdir, 'parallelism_report.json')
   log(report.summary(layer_rows, ops.policy, path))
-  if write_report:
-    report.write(path, layer_rows, ops.policy)
-  return flops_tok, peak
+  return flops_tok, peak, layer_rows
 
 
 def _train_record(window, lr, tokens_per_step, flops_tok, peak, num_devices) -> dict:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from tensorboardX import SummaryWriter
@@ -115,18 +116,69 @@ def device_memory() -> dict[str, float]:
           **({'memory_limit_gib': min(limits) / 2**30} if limits else {})}
 
 
+OUTPUTS = ('metrics.jsonl', 'tb')  # what a run appends to, replaced by a fresh run
+
+
+def begin(workdir: str, step: int) -> None:
+  """Readies the outputs of a run starting at ``step``: a fresh run (0) replaces an
+  earlier run's; a resumed one trims them to ``step`` (see trim)."""
+  if step:
+    trim(workdir, step)
+    return
+  old = [p for p in OUTPUTS if os.path.exists(os.path.join(workdir, p))]
+  if old:
+    print(f'{workdir}: replacing the outputs of an earlier run ({", ".join(old)})')
+  for p in old:
+    path = os.path.join(workdir, p)
+    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
 def trim(workdir: str, step: int) -> None:
-  """Drops records after ``step`` from ``metrics.jsonl`` (a run resumed from there)."""
+  """Drops records after ``step`` from ``metrics.jsonl`` (a run resumed from there).
+
+  A last line that does not read (cut short: the write of a process killed, or of
+  a full disk) is dropped with a warning; an unreadable line before it is an error
+  (ValueError) naming it.
+  """
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return
-  with open(path, encoding='utf-8') as f:
-    lines = [line for line in f if line.strip()]
-  kept = [line for line in lines if json.loads(line)['step'] <= step]
-  if len(kept) < len(lines):
+  records, torn = read_records(path)
+  if torn is not None:
+    print(f'warning: {path}: dropped its last line, cut short ({len(torn)} bytes: '
+          f'{torn.strip()[:40]!r})')
+  kept = [line for line, record in records if record['step'] <= step]
+  if torn is None and len(kept) == len(records):
+    return
+  try:
     with open(path + '.tmp', 'w', encoding='utf-8') as f:
-      f.writelines(kept)
+      f.writelines(line if line.endswith('\n') else line + '\n' for line in kept)
     os.replace(path + '.tmp', path)
+  finally:  # a full disk: our temporary goes, metrics.jsonl stays as it was
+    if os.path.exists(path + '.tmp'):
+      os.remove(path + '.tmp')
+
+
+def read_records(path: str) -> tuple[list[tuple[str, dict]], str | None]:
+  """([(line, record)], the last line if it does not read) of a metrics.jsonl file.
+
+  Raises ValueError naming a line before the last that is not a record.
+  """
+  with open(path, encoding='utf-8', errors='replace') as f:
+    lines = [line for line in f if line.strip()]
+  records = []
+  for i, line in enumerate(lines):
+    try:
+      record = json.loads(line)
+      if not (isinstance(record, dict) and isinstance(record.get('step'), int)):
+        raise ValueError('no step')
+    except ValueError as e:
+      if i == len(lines) - 1:
+        return records, line
+      raise ValueError(f'{path} line {i + 1} is not a metrics record ({e}): fix or delete '
+                       'that line, then run the same command again') from None
+    records.append((line, record))
+  return records, None
 
 
 class MetricsWriter:
@@ -139,16 +191,26 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir: str, total_steps: int, first_step: int = 0,
-               enabled: bool = True, clock: Stopwatch | None = None):
+               enabled: bool = True, clock: Stopwatch | None = None,
+               begin: Callable[[], None] | None = None):
+    """``begin``: called once before the files are opened, at the first record (or
+    begin()); an earlier run's outputs stay until then."""
     self.enabled = enabled
     self.total = total_steps
     self.live = enabled and sys.stdout.isatty()
     self.clock = clock or Stopwatch()
     self._start_time, self._start_step = time.time(), first_step
-    if not enabled:
+    self._workdir, self._begin, self.started = workdir, begin, False
+
+  def begin(self) -> None:
+    """Starts the outputs (``begin``, then the files), unless started."""
+    if self.started or not self.enabled:
       return
-    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
-    self._tb = SummaryWriter(os.path.join(workdir, 'tb'))
+    if self._begin:
+      self._begin()
+    self._jsonl = open(os.path.join(self._workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+    self._tb = SummaryWriter(os.path.join(self._workdir, 'tb'))
+    self.started = True
 
   def write(self, step: int, record: dict[str, Any]) -> None:
     """Appends one record (``step`` plus scalars) to every sink."""
@@ -156,6 +218,7 @@ class MetricsWriter:
               **self.clock.take()}
     if not self.enabled:
       return
+    self.begin()
     record = {'step': step, **{k: _plain(v) for k, v in record.items()}, **timing}
     self._jsonl.write(json.dumps(record) + '\n')
     self._jsonl.flush()
@@ -195,7 +258,7 @@ class MetricsWriter:
     sys.stdout.flush()
 
   def close(self) -> None:
-    if self.enabled:
+    if self.started:
       if self.live:
         sys.stdout.write('\n')
       self._jsonl.close()

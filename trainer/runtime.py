@@ -18,14 +18,23 @@ trainer.evaluate); the parts below serve other entry points and tests.
   address, process count and id, which the launcher (launch/local.py) passes
   through ``RINGTRAIN_COORDINATOR``, ``RINGTRAIN_NUM_PROCESSES`` and
   ``RINGTRAIN_PROCESS_ID``. CPU processes exchange collectives over gloo.
+* Stop signals (``stop_signals``): SIGTERM (a preemption), SIGINT (Ctrl-C) and
+  SIGHUP (a closed terminal) make the training loop save and stop after the
+  step in flight, exiting 128 + the signal's number; a second SIGINT ends the
+  process at once, saving nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import signal
+import sys
+import threading
 
 import jax
+import numpy as np
 
 from parallelism import hardware
 from trainer.hints import install_hint
@@ -199,3 +208,71 @@ def start(cfg: Config) -> hardware.HardwareProfile:
                      f'the {extra} extra ({install_hint(extra)}), or set '
                      'JAX_PLATFORMS=cpu to train on the CPU') from None
   return hardware.detect(name, [d.device_kind for d in devices])
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class StopSignals:
+  """What the loop asks at each step boundary: stop (a signal's number) or go on (0)."""
+
+  def __init__(self):
+    self.received = 0        # the first stop signal's number
+    self.save_failure = None  # a failed save this process learned of, until all know
+
+  def handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
+    if not self.received:
+      self.received = signum
+      print(f'{signal.Signals(signum).name}: saving and stopping after this step'
+            + ('; Ctrl-C again stops at once, saving nothing' if signum == signal.SIGINT
+               else ''), file=sys.stderr, flush=True)
+    if signum == signal.SIGINT:  # the second one: the kernel's default, at once
+      signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+  def check(self, ckpt, agree: bool = True) -> int:
+    """The signal to stop for (0: none); raises checkpoint.SaveFailed after a failed save.
+
+    With several processes, signals (and a save's failure) reach them at different
+    moments; they agree (an all-gather, which waits for the step in flight) where
+    the loop passes ``agree=True``, so that all save and stop after the same step;
+    elsewhere they answer 0. A single process answers for itself.
+    """
+    from trainer import checkpoint  # pylint: disable=g-import-not-at-top
+    try:
+      ckpt.check()
+    except checkpoint.SaveFailed as e:
+      self.save_failure = e
+    if jax.process_count() == 1:
+      if self.save_failure:
+        raise self.save_failure
+      return self.received
+    if not agree:
+      return 0
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    flags = multihost_utils.process_allgather(
+        np.array([self.received, self.save_failure is not None], np.int32))
+    flags = np.asarray(flags).reshape(-1, 2)
+    if self.save_failure:
+      raise self.save_failure
+    if flags[:, 1].any():
+      raise checkpoint.SaveFailed('a checkpoint save failed on another process (its log '
+                                  'names the path and the error); stopped')
+    return int(flags[:, 0].max())
+
+
+@contextlib.contextmanager
+def stop_signals():
+  """Handles STOP_SIGNALS while the loop runs; yields the StopSignals it asks.
+
+  Off the main thread (signals reach only it) nothing is handled.
+  """
+  stops = StopSignals()
+  if threading.current_thread() is not threading.main_thread():
+    yield stops
+    return
+  previous = {sig: signal.signal(sig, stops.handle) for sig in STOP_SIGNALS}
+  try:
+    yield stops
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)

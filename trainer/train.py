@@ -1,6 +1,6 @@
 r"""Trains a Transformer LM from a config file.
 
-  python -m trainer.train --config configs/default.py [--workdir DIR] \
+  python -m trainer.train --config configs/default.py [--workdir DIR] [--verbose] \
       [--config.a.b=value ...]
 
 Outputs in the workdir (default ``runs/<config name>``): ``config.json`` (the
@@ -9,7 +9,11 @@ eval), TensorBoard event files in ``tb/`` and ``parallelism_report.json`` (what
 the parallelism layer decided for every dense layer). Bad input exits with status 2
 and a one-line message before anything is compiled or written; so does a workdir
 another run is using (it holds ``ringtrain.lock`` there, see lock_workdir). A
-corrupt checkpoint exits with status 1, naming it.
+corrupt checkpoint exits with status 1, naming it; so does a failed save, and a
+full disk or I/O error (one line; ``--verbose`` adds the traceback). An earlier
+run's outputs are replaced only once this run has compiled and passed its first
+steps. SIGTERM, SIGINT and SIGHUP save and exit 128 + the signal's number
+(trainer/runtime.py).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import argparse
 import dataclasses
 import fcntl
 import json
+import logging
 import os
-import shutil
+import signal
 import socket
 import sys
+import traceback
 from typing import Any
 
 import jax
@@ -30,6 +36,7 @@ from jax.experimental import multihost_utils
 
 from parallelism import cli, mesh as mesh_lib, sharding
 from trainer import checkpoint, config as config_lib, data, loop, pipeline, runtime, validation
+from trainer import metrics as metrics_lib, tokenizer as tokenizer_lib
 from trainer.config import Config, ConfigError
 from trainer.state import AbstractModel, model_for_mesh
 
@@ -57,6 +64,8 @@ def parse_args(argv):
                                                        description=__doc__))
   parser.add_argument('--config', required=True, help='config file, path.py[:arg]')
   parser.add_argument('--workdir', default=None, help='output directory')
+  parser.add_argument('--verbose', action='store_true',
+                      help='print the traceback of an I/O error, and the libraries\' error logs')
   return parser.parse_known_args(argv)
 
 
@@ -121,13 +130,26 @@ def _check_checkpoints(run: Run) -> int | None:
     if meta.get('seed') != cfg.seed:
       diff.append(f'seed: {meta.get("seed")} in the checkpoint, {cfg.seed} now')
     diff += _data_differences(meta, run)
+    stored, now = _tokenizers(meta, os.path.join(directory, str(step)), run)
+    if not _same_tokenizer(stored, now):
+      diff.append(f'tokenizer: {_tokenizer_name(stored)} in the checkpoint, '
+                  f'{_tokenizer_name(now)} now')
     if diff:
       raise ValueError(f'{workdir} has checkpoints of another run (' + '; '.join(diff)
                        + '): use another --workdir, or delete its checkpoints/ to start over')
+    path = os.path.join(workdir, 'metrics.jsonl')
+    if os.path.exists(path):
+      metrics_lib.read_records(path)  # a damaged line is named now, not after compiling
     return step
   if cfg.init_from:
     source, step = checkpoint.resolve(cfg.init_from)
     meta = checkpoint.read_meta(source, step)
+    stored, now = _tokenizers(meta, cfg.init_from, run)
+    if not _same_tokenizer(stored, now):  # same shapes, each embedding row another token's
+      raise ValueError(f'init_from={cfg.init_from} was trained on the ids of tokenizer '
+                       f'{_tokenizer_name(stored)}, this run uses {_tokenizer_name(now)} '
+                       f'(data.tokenizer={cfg.data.tokenizer!r}): set --config.data.tokenizer '
+                       'to the checkpoint\'s tokenizer')
     diff = checkpoint.differences(
         {k: v for k, v in meta['arrays'].items() if not checkpoint.is_optimizer(k)},
         checkpoint.describe(checkpoint.flatten(run.model.params)))
@@ -135,6 +157,39 @@ def _check_checkpoints(run: Run) -> int | None:
       raise ValueError(f'init_from={cfg.init_from}: {len(diff)} parameter(s) differ from '
                        'the model: ' + '; '.join(diff[:20]))
   return None
+
+
+def _tokenizers(meta: dict, path: str, run: Run) -> tuple[dict | None, dict | None]:
+  """(the checkpoint's tokenizer, this run's) as loop.tokenizer_identity gives them (None:
+  unknown, nothing to compare).
+
+  Checkpoints from before the tokenizer was recorded: the tokenizer file beside them
+  (hf-import) or their run's data.tokenizer (tokenizer.for_checkpoint), where it still
+  exists; a byte-level run's, unless it trained on token files or synthetic tokens.
+  """
+  now = loop.tokenizer_identity(run.cfg.data.tokenizer, run.corpus.byte_level)
+  if 'tokenizer' in meta:
+    stored = meta['tokenizer']
+  else:
+    spec = tokenizer_lib.for_checkpoint(path)
+    data_path = meta.get('config', {}).get('data', {}).get('path')
+    try:
+      stored = loop.tokenizer_identity(spec, data_path is not None and not (
+          data_path == 'synthetic' or data_path.endswith(('.npy', '.bin'))))
+    except ValueError:  # its tokenizer file is gone: nothing to compare with
+      stored = None
+  return stored, now
+
+
+def _same_tokenizer(a: dict | None, b: dict | None) -> bool:
+  """By content: a tokenizer file renamed or moved is the same tokenizer."""
+  return a is None or b is None or a.get('sha256') == b.get('sha256')
+
+
+def _tokenizer_name(identity: dict) -> str:
+  if 'sha256' not in identity:
+    return "'' (byte-level)"
+  return f'{identity["name"]} (sha256 {identity["sha256"][:12]})'
 
 
 def _data_differences(meta: dict, run: Run) -> list[str]:
@@ -179,19 +234,10 @@ def _check_workdir(workdir: str | None) -> None:
 
 
 def start_workdir(run: Run, writer_enabled: bool) -> None:
-  """Creates the workdir; replaces an earlier run's outputs unless this run resumes it."""
-  if not writer_enabled:
-    return
-  os.makedirs(run.workdir, exist_ok=True)
-  old = [p for p in ('metrics.jsonl', 'tb') if os.path.exists(os.path.join(run.workdir, p))
-         and run.resume_step is None]
-  if old:
-    print(f'{run.workdir}: replacing the outputs of an earlier run ({", ".join(old)})')
-    for p in old:
-      path = os.path.join(run.workdir, p)
-      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-  with open(os.path.join(run.workdir, 'config.json'), 'w', encoding='utf-8') as f:
-    f.write(run.cfg.to_json(indent=2) + '\n')
+  """Creates the workdir. An earlier run's outputs there are replaced later, once this
+  run has compiled and its first steps passed (loop.begin_outputs)."""
+  if writer_enabled:
+    os.makedirs(run.workdir, exist_ok=True)
 
 
 def lock_workdir(workdir: str):
@@ -261,6 +307,8 @@ def release_workdir(lock) -> None:
 
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
+  # Orbax logs a failed save's traceback at ERROR, then raises it: the error line says it.
+  logging.getLogger('absl').setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
   try:
     run = prepare(args, overrides)
     last = run.cfg.stop_after or run.cfg.steps
@@ -271,13 +319,16 @@ def main(argv=None) -> int:
   except ValueError as e:  # ConfigError, or a corrupt checkpoint (exit status 1)
     print(f'error: {e}', file=sys.stderr)
     return getattr(e, 'exit_status', 2)
+  except KeyboardInterrupt:
+    print('interrupted (SIGINT) before training started: nothing to save', file=sys.stderr)
+    return 128 + signal.SIGINT
   try:
-    return _train(run)
+    return _train(run, args.verbose)
   finally:
     release_workdir(lock)
 
 
-def _train(run: Run) -> int:
+def _train(run: Run, verbose: bool = False) -> int:
   """Trains a prepared run in its locked workdir; returns the exit status."""
   try:
     # Again, now that no other run can write there: one may have, until the lock.
@@ -293,6 +344,15 @@ def _train(run: Run) -> int:
   except loop.Stopped as e:
     print(f'{"error: " if e.exit_code == 3 else ""}{e}', file=sys.stderr)
     return e.exit_code
+  except KeyboardInterrupt:  # before the loop handles SIGINT (compiling): nothing to save
+    print('interrupted (SIGINT) before training started: nothing to save', file=sys.stderr)
+    return 128 + signal.SIGINT
+  except OSError as e:  # a full disk, an I/O error, permissions: the cause, in one line
+    if verbose:
+      traceback.print_exc()
+    print(f'error: {checkpoint.os_cause(e)}'
+          + ('' if verbose else ' (--verbose prints the traceback)'), file=sys.stderr)
+    return 1
   return 0
 
 
