@@ -177,6 +177,16 @@ def start_distributed(settings: dict | None, cpu: bool) -> None:
       coordinator_bind_address=settings['bind_address'] or None, **settings['timeouts'])
 
 
+def _platform_hint(platform: str) -> str:
+  """What to do when JAX cannot open ``platform``: a command that exists."""
+  if platform == 'cpu':  # jaxlib itself: the CPU needs no plugin
+    return ('reinstall JAX (pip install -c constraints.txt -e .), and check XLA_FLAGS '
+            f'and {CPU_DEVICES_ENV}')
+  extra = {'tpu': 'tpu', 'gpu': 'cuda12'}[platform]
+  return (f"install the {extra} extra (pip install -c constraints.txt -e '.[{extra}]'), or "
+          'set JAX_PLATFORMS=cpu to train on the CPU')
+
+
 def start(cfg: Config) -> hardware.HardwareProfile:
   """Starts JAX on this machine's platform with the chip's compiler flags.
 
@@ -193,8 +203,6 @@ def start(cfg: Config) -> hardware.HardwareProfile:
   try:
     devices = jax.devices()
   except RuntimeError as e:  # a visible TPU or GPU whose JAX plugin is missing or broken
-    extra = {'tpu': 'tpu', 'gpu': 'cuda12'}.get(platform, platform)
-    raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); install '
-                     f"the {extra} extra (pip install -e '.[{extra}]'), or set "
-                     'JAX_PLATFORMS=cpu to train on the CPU') from None
+    raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); '
+                     + _platform_hint(platform)) from None
   return hardware.detect(name, [d.device_kind for d in devices])
