@@ -244,6 +244,7 @@ def test_a_large_document_is_tokenized_in_pieces_to_the_same_tokens(tmp_path, mo
   (tmp_path / 'doc.jsonl').write_text(json.dumps({'text': text}) + '\n')
   whole = tok.encode_documents([text.encode() if tok.byte_level else text])[0][0].tolist()
   monkeypatch.setattr(prepare, 'PIECE_BYTES', 333)  # ~30 pieces, cut inside characters too
+  monkeypatch.setattr(prepare, 'PIECE_CHARS', 222)
   units = [{'kind': 'text', 'files': [str(tmp_path / 'doc.txt')], 'bytes': 1},
            {'kind': 'jsonl', 'file': str(tmp_path / 'doc.jsonl'), 'start': 0,
             'stop': os.path.getsize(tmp_path / 'doc.jsonl'), 'bytes': 1}]
@@ -254,11 +255,11 @@ def test_a_large_document_is_tokenized_in_pieces_to_the_same_tokens(tmp_path, mo
     assert stats['train']['text_bytes'] == len(text.encode())
 
 
-def test_a_cut_falls_after_a_newline_or_before_a_space_between_words(monkeypatch):
-  monkeypatch.setattr(prepare, 'PIECE_BYTES', 10)
-  assert prepare._cut('abcdef\nghijkl mnop') == 7  # pylint: disable=protected-access
-  assert prepare._cut('abcdef gh\n\nijkl') == 6  # pylint: disable=protected-access
-  assert prepare._cut('abcdefghijklmnop') == 10  # pylint: disable=protected-access
+def test_a_cut_falls_after_a_newline_or_before_a_space_between_words():
+  cut = prepare._cut  # pylint: disable=protected-access
+  assert cut('abcdef\nghijkl mnop', 10) == 7
+  assert cut('abcdef gh\n\nijkl', 10) == 6
+  assert cut('abcdefghijklmnop', 10) == 10
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_work_done(tmp_path, monkeypatch, capsys):

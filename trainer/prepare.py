@@ -20,10 +20,11 @@ not, or half a surrogate pair in JSON, stops the run naming the file and the
 byte (``--errors=replace`` replaces them instead, counted in the summary and in
 ``corpus.json``'s ``replaced``; the byte-level tokenizer takes any bytes). Memory
 stays bounded whatever a document's size: a text file of more than
-``PIECE_BYTES`` is read and tokenized in pieces of that size (byte-level: the
-same tokens; other tokenizers: pieces cut where their pre-tokenizers cut,
-see ``_cut``); a JSONL or Parquet document is held whole as text, its tokens
-in pieces.
+``PIECE_BYTES`` (4 MiB; other tokenizers: ``PIECE_CHARS``, 256 Ki characters)
+is read and tokenized in pieces of about that size (byte-level: the same
+tokens; other tokenizers: pieces cut where their pre-tokenizers cut, see
+``_cut``); a JSONL or Parquet document is held whole as text, its tokens in
+pieces. Documents are tokenized in batches of at most that size.
 
 The output directory (layout: trainer/data.py) holds ``train-NNNNN.bin`` token
 shards of about ``--shard_size_mb`` each with ``.idx`` document boundaries, the
@@ -59,7 +60,12 @@ from trainer import tokenizer as tokenizer_lib
 
 UNIT_BYTES = 32 << 20  # input bytes per piece of work (a worker's task)
 DOCS_PER_CALL = 1024   # documents tokenized per call, at most
-PIECE_BYTES = 4 << 20  # bytes (or characters) tokenized per call, about: bounds the memory
+# What one call tokenizes, about (a document of more is tokenized in pieces): bounds the
+# memory. Bytes of a file read at once, and the byte-level tokenizer's ids per call; other
+# tokenizers' characters per call (the tokenizers library takes some 300 bytes a token,
+# and a small vocabulary makes up to a token a character).
+PIECE_BYTES = 4 << 20
+PIECE_CHARS = 1 << 18
 WORK = '.work'
 JSONL = ('.jsonl', '.ndjson')
 
@@ -194,11 +200,12 @@ def fingerprint(files: list[str], args, tok) -> dict:
 _TOKENIZER = {}
 
 
-def _documents(unit: dict, field: str, errors: str):
-  """The unit's documents as (where, document): bytes or a _LargeFile (text files), or str."""
+def _documents(unit: dict, field: str, limit: int):
+  """The unit's documents as (where, document): bytes or, when larger than ``limit``, a
+  _LargeFile (text files), or str."""
   if unit['kind'] == 'text':
     for path in unit['files']:
-      if os.path.getsize(path) > PIECE_BYTES:
+      if os.path.getsize(path) > limit:
         yield path, _LargeFile(path)
         continue
       with open(path, 'rb') as f:
@@ -223,7 +230,7 @@ def _documents(unit: dict, field: str, errors: str):
 
 
 class _LargeFile:
-  """A text file of more than PIECE_BYTES, read in pieces of that size (twice: hash, tokens)."""
+  """A large text file, read in pieces of PIECE_BYTES (twice: its hash, its tokens)."""
 
   def __init__(self, path: str):
     self.path = path
@@ -250,8 +257,8 @@ def held_out(text: bytes, fraction: float, digest=None) -> bool:
   return int.from_bytes(digest.digest(), 'little') < fraction * 2**64
 
 
-def _cut(text: str) -> int:
-  """Where a piece of ``text`` (longer than PIECE_BYTES characters) ends.
+def _cut(text: str, limit: int) -> int:
+  """Where a piece of ``text`` (longer than ``limit`` characters) ends.
 
   After a newline between two characters that are not whitespace, else before
   a space between two such, the last in the piece's second half; else at its
@@ -260,27 +267,27 @@ def _cut(text: str) -> int:
   a SentencePiece model or a tokenizer that adds a space in front of its
   input may tokenize a few characters at a cut otherwise.
   """
-  window = text[PIECE_BYTES // 2:PIECE_BYTES]
+  window = text[limit // 2:limit]
   for pattern, end in ((_NEWLINE, True), (_SPACE, False)):
     last = None
     for last in pattern.finditer(window):
       pass
     if last:
-      return PIECE_BYTES // 2 + (last.end() if end else last.start())
-  return PIECE_BYTES
+      return limit // 2 + (last.end() if end else last.start())
+  return limit
 
 
 _NEWLINE = re.compile(r'(?<=\S)\n(?=\S)')
 _SPACE = re.compile(r'(?<=\S) (?=\S)')
 
 
-def _text_pieces(texts):
+def _text_pieces(texts, limit: int):
   """The text of ``texts`` (one document's consecutive parts) in pieces cut by ``_cut``."""
   carry = ''
   for text in texts:
     carry += text
-    while len(carry) > PIECE_BYTES:
-      at = _cut(carry)
+    while len(carry) > limit:
+      at = _cut(carry, limit)
       yield carry[:at]
       carry = carry[at:]
   if carry:
@@ -304,12 +311,13 @@ def _payload(doc, where: str, tok, errors: str, stats: dict):
   """(blake2b digest of the document's bytes, its size, what to tokenize or its pieces).
 
   What to tokenize: the bytes (byte-level) or text of a document of at most
-  PIECE_BYTES; a generator of pieces of a larger one, each tokenized apart.
+  ``_limit(tok)``; a generator of pieces of a larger one, each tokenized apart.
   """
+  limit = _limit(tok)
   if isinstance(doc, _LargeFile):
     if tok.byte_level:
       return doc.digest(), 1, (chunk for _, chunk in doc.chunks())
-    return doc.digest(), 1, _text_pieces(_file_texts(doc, errors, stats))
+    return doc.digest(), 1, _text_pieces(_file_texts(doc, errors, stats), limit)
   if isinstance(doc, bytes):  # a text file: hashed as it is, decoded for a tokenizer
     raw, text, replaced = doc, None, 0
     if not tok.byte_level:
@@ -319,12 +327,16 @@ def _payload(doc, where: str, tok, errors: str, stats: dict):
     text = None if tok.byte_level else (raw.decode('utf-8') if replaced else doc)
   stats['replaced'] += replaced
   digest = hashlib.blake2b(raw, digest_size=8)
-  if len(raw) <= PIECE_BYTES:
+  if len(raw) <= limit:
     return digest, len(raw), raw if tok.byte_level else text
   if tok.byte_level:
-    return digest, len(raw), (raw[i:i + PIECE_BYTES] for i in range(0, len(raw), PIECE_BYTES))
-  return digest, len(raw), _text_pieces(text[i:i + PIECE_BYTES]
-                                        for i in range(0, len(text), PIECE_BYTES))
+    return digest, len(raw), (raw[i:i + limit] for i in range(0, len(raw), limit))
+  return digest, len(raw), _text_pieces((text[i:i + limit] for i in range(0, len(text), limit)),
+                                        limit)
+
+
+def _limit(tok) -> int:
+  return PIECE_BYTES if tok.byte_level else PIECE_CHARS
 
 
 def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: float,
@@ -350,7 +362,7 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
     stats['empty'] += nothing
     writers[split].write(ids, counts, lengths[lengths > 0])
 
-  for where, doc in _documents(unit, field, errors):
+  for where, doc in _documents(unit, field, _limit(tok)):
     if not doc:
       stats['empty'] += 1
       continue
@@ -360,7 +372,7 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
     if isinstance(payload, (bytes, str)):
       batches[split].append(payload)
       sizes[split] += size
-      if len(batches[split]) == DOCS_PER_CALL or sizes[split] >= PIECE_BYTES:
+      if len(batches[split]) == DOCS_PER_CALL or sizes[split] >= _limit(tok):
         flush(split)
       continue
     if batches[split]:
