@@ -122,6 +122,30 @@ def test_undecodable_text_is_refused_or_replaced_and_counted(tmp_path, capsys):
   assert manifest['replaced'] == 1 and split.tokens().tolist() == [3, 1, 3, 0, 4, 1]
 
 
+def test_jsonl_that_is_not_utf8_is_refused_or_replaced_and_counted(tmp_path, capsys):
+  spec = _word_tokenizer(tmp_path / 'tok')
+  (tmp_path / 'in.jsonl').write_bytes(b'{"text": "w1"}\n{"text": "w2 caf\xe9 w3"}\n')
+  args = ['--input', tmp_path / 'in.jsonl', '--eval_fraction', '0']
+  assert _prepare(*args, '--output', tmp_path / 'out') == 2
+  assert _one_line(capsys).startswith(f'error: {tmp_path}/in.jsonl at byte 31: not UTF-8')
+  assert _prepare(*args, '--output', tmp_path / 'out', '--tokenizer', spec, '--errors',
+                  'replace') == 0
+  manifest, split = data.open_prepared(str(tmp_path / 'out'), 'train')
+  assert manifest['replaced'] == 1 and split.tokens().tolist() == [3, 1, 4, 0, 0, 5, 1]
+
+
+def test_the_data_reader_refuses_text_its_tokenizer_cannot_read(tmp_path):
+  spec = _word_tokenizer(tmp_path / 'tok')
+  (tmp_path / 'latin1.txt').write_bytes(b'w1 caf\xe9')
+  with pytest.raises(ValueError, match=r'latin1.txt at byte 6: not UTF-8'):
+    data.load(config.Data(path=str(tmp_path / 'latin1.txt'), tokenizer=spec), 300, 0)
+
+
+def test_a_tokenizer_that_is_a_fifo_is_refused(fifo):
+  with pytest.raises(ValueError, match=r'^tokenizer .*pipe.txt: a FIFO \(named pipe\), not a '):
+    tokenizer.load(str(fifo))
+
+
 def test_a_prompt_file_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
   (tmp_path / 'p.txt').write_bytes(b'ab\xff')
   with pytest.raises(ValueError, match=r'p.txt at byte 2: not UTF-8 \(invalid start byte\)'):

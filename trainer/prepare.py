@@ -128,7 +128,11 @@ def _parquet():
   return pq
 
 
-def _json(line: bytes, path: str, offset: int):
+def _json(line: bytes, path: str, offset: int, errors: str = 'replace', stats=None):
+  """The JSON object on ``line``; its bytes decoded as ``--errors`` says (counted in ``stats``)."""
+  line, replaced = tokenizer_lib.decode_utf8(line, path, offset, errors)
+  if stats is not None:
+    stats['replaced'] += replaced
   try:
     record = json.loads(line)
   except ValueError as e:
@@ -200,7 +204,7 @@ def fingerprint(files: list[str], args, tok) -> dict:
 _TOKENIZER = {}
 
 
-def _documents(unit: dict, field: str, limit: int):
+def _documents(unit: dict, field: str, limit: int, errors: str, stats: dict):
   """The unit's documents as (where, document): bytes or, when larger than ``limit``, a
   _LargeFile (text files), or str."""
   if unit['kind'] == 'text':
@@ -219,7 +223,8 @@ def _documents(unit: dict, field: str, limit: int):
         offset, line = f.tell(), f.readline()
         if line.strip():
           where = f'{unit["file"]} at byte {offset}'
-          yield where, _text_of(_json(line, unit['file'], offset), field, unit['file'], offset)
+          record = _json(line, unit['file'], offset, errors, stats)
+          yield where, _text_of(record, field, unit['file'], offset)
   else:
     table = _parquet().ParquetFile(unit['file']).read_row_groups(unit['groups'], columns=[field])
     for text in table.column(0).to_pylist():
@@ -362,7 +367,7 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
     stats['empty'] += nothing
     writers[split].write(ids, counts, lengths[lengths > 0])
 
-  for where, doc in _documents(unit, field, _limit(tok)):
+  for where, doc in _documents(unit, field, _limit(tok), errors, stats):
     if not doc:
       stats['empty'] += 1
       continue

@@ -26,6 +26,8 @@ import numpy as np
 import sentencepiece
 import tokenizers
 
+from trainer import files
+
 BYTE_VOCAB = 256
 EOS_ID = 256
 BYTE_TOKENIZER_VOCAB = 257
@@ -165,9 +167,9 @@ def decode_utf8(raw: bytes, name: str, offset: int = 0, errors: str = 'strict',
   try:
     text = decoder.decode(raw, final)
   except UnicodeDecodeError as e:  # its offsets count the held bytes, then raw's
-    raise ValueError(f'{name} at byte {offset - held + e.start}: not UTF-8 ({e.reason}), '
-                     "which the tokenizer reads (prepare's --errors=replace replaces and "
-                     'counts such bytes; the byte-level tokenizer takes any)') from None
+    raise ValueError(f'{name} at byte {offset - held + e.start}: not UTF-8 ({e.reason}); '
+                     'python -m trainer.prepare --errors=replace replaces such bytes (U+FFFD) '
+                     'and counts them') from None
   return text, _REPLACED[0] - before
 
 
@@ -223,6 +225,8 @@ def resolve(spec: str) -> str:
         return os.path.join(spec, name)
     raise ValueError(f'tokenizer: no {" or ".join(FILES)} in directory '
                      f'{os.path.abspath(spec)}')
+  if os.path.exists(spec) and not os.path.isfile(spec):  # before open: a FIFO would block
+    files.check_regular(spec, 'tokenizer ')
   if not os.path.isfile(spec):
     raise ValueError(f'tokenizer file not found: {os.path.abspath(spec)} (a local '
                      'tokenizer.json, SentencePiece .model or a directory holding one; '
