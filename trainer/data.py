@@ -29,6 +29,14 @@ A prepared corpus directory (written by trainer/prepare.py, read here):
   eval-NNNNN.bin/.idx  the held-out documents, the same way
   eval-NNNNN.bytes     int32 UTF-8 bytes of text each held-out token stands for (-1: end of
                        document); tokenizers other than bytes only (bits per byte)
+
+Opening one checks each file's size against the manifest and reads every
+token shard once, in bounded pieces (``FileArray.max``): a token id at or
+above ``model.vocab_size`` (a shard or manifest changed since it was
+prepared) is refused naming the shard and the id, not trained into a NaN
+loss. Text files and globs are read only when they are regular files (a FIFO
+would block, a device never end); with a tokenizer other than bytes, a file
+that is not UTF-8 is refused naming the byte.
 """
 
 from __future__ import annotations

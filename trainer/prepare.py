@@ -255,10 +255,13 @@ class _LargeFile:
     return digest
 
 
-def held_out(text: bytes, fraction: float, digest=None) -> bool:
-  """Whether a document (its UTF-8 bytes, or their blake2b ``digest``) is held out:
-  a hash of it below ``fraction``."""
-  digest = digest or hashlib.blake2b(text, digest_size=8)
+def held_out(text: bytes, fraction: float) -> bool:
+  """Whether a document (its UTF-8 bytes) is held out: a hash of it below ``fraction``."""
+  return _below(hashlib.blake2b(text, digest_size=8), fraction)
+
+
+def _below(digest, fraction: float) -> bool:
+  """Whether a document's blake2b ``digest`` (8 bytes) holds it out."""
   return int.from_bytes(digest.digest(), 'little') < fraction * 2**64
 
 
@@ -320,9 +323,10 @@ def _payload(doc, where: str, tok, errors: str, stats: dict):
   """
   limit = _limit(tok)
   if isinstance(doc, _LargeFile):
+    size = os.path.getsize(doc.path)
     if tok.byte_level:
-      return doc.digest(), 1, (chunk for _, chunk in doc.chunks())
-    return doc.digest(), 1, _text_pieces(_file_texts(doc, errors, stats), limit)
+      return doc.digest(), size, (chunk for _, chunk in doc.chunks())
+    return doc.digest(), size, _text_pieces(_file_texts(doc, errors, stats), limit)
   if isinstance(doc, bytes):  # a text file: hashed as it is, decoded for a tokenizer
     raw, text, replaced = doc, None, 0
     if not tok.byte_level:
@@ -372,7 +376,7 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
       stats['empty'] += 1
       continue
     digest, size, payload = _payload(doc, where, tok, errors, stats)
-    split = 'eval' if held_out(b'', fraction, digest) else 'train'
+    split = 'eval' if _below(digest, fraction) else 'train'
     stats['documents'] += 1
     if isinstance(payload, (bytes, str)):
       batches[split].append(payload)
