@@ -8,6 +8,7 @@ a second, so a check that regressed fails its test instead of blocking it.
 import errno
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -298,3 +299,15 @@ def test_a_full_disk_is_one_line_and_keeps_the_work_done(tmp_path, monkeypatch, 
       f'error: No space left on device: {tmp_path}/out/x.bin; once that is mended, the same '
       'command finishes the work (pieces done are kept)')
   assert os.path.isfile(tmp_path / 'out' / prepare.WORK / 'u-00000.json')
+
+
+@pytest.mark.parametrize('platform', ['cpu', 'gpu', 'tpu'])
+def test_the_hint_when_jax_cannot_open_a_platform_names_an_extra_that_exists(platform):
+  from trainer import runtime  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(ROOT, 'setup.py'), encoding='utf-8') as f:
+    extras = set(re.findall(r"^\s+'([\w-]+)': \[", f.read(), re.M))
+  assert {'tpu', 'cuda12', 'hf'} <= extras, extras
+  hint = runtime._platform_hint(platform)  # pylint: disable=protected-access
+  named = re.findall(r"\.\[(\w+)\]", hint)
+  assert set(named) <= extras and 'pip install -c constraints.txt -e ' in hint, hint
+  assert bool(named) == (platform != 'cpu')  # the CPU needs no extra
