@@ -21,8 +21,10 @@ training split) in batches of each of ``--shapes`` (the default config's 16 x
   * pipeline on the 2 MB corpus, as many batches of the first shape: the peak RSS
     (resident memory, memory-mapped pages included) next to the large one's.
 
-and compiles and times the default config's train step (benchmarks/train_step.py)
-for the rate training consumes tokens at. Targets: pipeline >= 10x the
+and how long opening the large corpus takes (``data.load`` reads every shard
+once: no token id may reach ``model.vocab_size``); and compiles and times the
+default config's train step (benchmarks/train_step.py) for the rate training
+consumes tokens at. Targets: pipeline >= 10x the
 default config's rate and >= 0.8x the memmap reader; peak RSS over the large
 corpus within 300 MB of the small one's. Each reader reads its epoch
 ``--repeats`` times, alternated with the other, and the median is reported
@@ -103,7 +105,9 @@ def run_pipeline(path: str, batch_size: int, seq_len: int, batches: int,
   import numpy as np  # pylint: disable=g-import-not-at-top
   from trainer import config as config_lib, data, pipeline  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load(DEFAULT, [f'--config.data.path={path}'])
-  corpus = data.load(cfg.data, cfg.model.vocab_size, cfg.seed)
+  start = time.perf_counter()
+  corpus = data.load(cfg.data, cfg.model.vocab_size, cfg.seed)  # scans the shards' ids
+  load_s = time.perf_counter() - start
   dataset = pipeline.train_dataset(corpus, cfg.seed, batch_size, seq_len, np.arange(batch_size))
   batches_ahead = pipeline.Prefetcher(
       dataset, cfg.data.prefetch if prefetch is None else prefetch)
@@ -111,7 +115,8 @@ def run_pipeline(path: str, batch_size: int, seq_len: int, batches: int,
   for step in range(batches):
     batches_ahead.get(step)
   batches_ahead.close()
-  return _result(batches * batch_size * seq_len, time.perf_counter() - start)
+  return _result(batches * batch_size * seq_len, time.perf_counter() - start) | {
+      'load_seconds': load_s}
 
 
 def run_memmap(path: str, batch_size: int, seq_len: int, batches: int) -> dict:
@@ -213,6 +218,10 @@ def report(out: dict) -> str:
                f'the {big:,.0f} MB corpus, {rss_small:,.0f} MB from the {small:,.1f} MB one: '
                f'{rss - rss_small:+,.0f} MB (target: within 300 MB); the memmap reader: '
                f'{first["memmap"]["peak_rss_mb"]:,.0f} MB')
+  load = first['pipeline']['load_seconds']
+  lines.append(f'opening the {big:,.0f} MB corpus (data.load: every shard read once, its '
+               f'largest token id checked against model.vocab_size): {load:.2f} s, '
+               f'{big / 1e3 / load:.1f} GB/s')
   return '\n'.join(lines)
 
 

@@ -201,10 +201,15 @@ def test_a_document_that_tokenizes_to_nothing_is_skipped(tmp_path):
 
 
 def test_a_lone_surrogate_is_tokenized_as_its_replacement(tmp_path):
-  """JSON can escape half a surrogate pair; the text tokenized is the UTF-8 that was hashed."""
+  """JSON can escape half a surrogate pair; the text tokenized is the UTF-8 that was hashed.
+
+  With --errors=replace (by default it is refused: tests/test_inputs.py).
+  """
   spec = _word_tokenizer(tmp_path / 'tok', 10)
-  _, split = _prepare_jsonl(tmp_path, ['{"text": "doc1 \\ud83d doc2"}', '{"text": "doc3"}'],
-                            spec)
+  (tmp_path / 'in.jsonl').write_text('{"text": "doc1 \\ud83d doc2"}\n{"text": "doc3"}\n')
+  assert _run('--input', tmp_path / 'in.jsonl', '--output', tmp_path / 'out', '--tokenizer',
+              spec, '--eval_fraction', '0', '--errors', 'replace') == 0
+  _, split = data.open_prepared(str(tmp_path / 'out'), 'train')
   assert split.tokens().tolist() == [3, 0, 4, 1, 5, 1]  # '?' is unknown: [UNK]
 
 

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.transformer import Transformer, TransformerConfig
-from trainer import checkpoint, tokenizer, validation
+from trainer import checkpoint, files, tokenizer, validation
 from trainer.hints import install_hint
 
 CHECK_TOLERANCE = 1e-4
@@ -58,10 +58,27 @@ class ConvertError(ValueError):
 # --- Hugging Face config <-> TransformerConfig -------------------------------
 
 
-def read_hf_config(hf_dir: str) -> dict:
-  """Loads ``hf_dir/config.json``."""
+def check_hf_files(hf_dir: str, names=()) -> None:
+  """Every file hf-import reads from ``hf_dir`` (and ``names`` in it) is a regular file
+  inside it, symlinks followed: a FIFO would block the read, a link out of the directory
+  would copy what it points at (a private key) into the output."""
   if not os.path.isdir(hf_dir):
     raise ConvertError(f'--hf_dir {hf_dir} is not a directory')
+  read = ('config.json', INDEX_FILE, 'tokenizer_config.json', *tokenizer.FILES)
+  paths = [os.path.join(hf_dir, n) for n in (*read, *names)]
+  paths += glob.glob(os.path.join(glob.escape(hf_dir), '*.safetensors'))
+  for path in paths:
+    if os.path.lexists(path):
+      try:
+        files.check_inside(hf_dir, path, '--hf_dir: ')
+        files.check_regular(path, '--hf_dir: ')
+      except ValueError as e:
+        raise ConvertError(str(e)) from None
+
+
+def read_hf_config(hf_dir: str) -> dict:
+  """Loads ``hf_dir/config.json``."""
+  check_hf_files(hf_dir)
   path = os.path.join(hf_dir, 'config.json')
   if not os.path.isfile(path):
     raise ConvertError(f'{path} not found: a Hugging Face checkpoint directory '
@@ -170,11 +187,11 @@ def weight_files(hf_dir: str) -> list[str]:
     if outside:
       raise ConvertError(f'{index} names a shard outside {hf_dir}: {outside[0]!r} (only '
                          'file names relative to that directory, without "..", are read)')
-    files = [os.path.join(hf_dir, n) for n in names]
-    absent = [n for n in names if not os.path.isfile(os.path.join(hf_dir, n))]
+    absent = [n for n in names if not os.path.lexists(os.path.join(hf_dir, n))]
     if absent:
       raise ConvertError(f'{index} names shards that are not there: {", ".join(absent)}')
-    return files
+    check_hf_files(hf_dir, names)
+    return [os.path.join(hf_dir, n) for n in names]
   files = sorted(glob.glob(os.path.join(hf_dir, '*.safetensors')))
   if files:
     return files
@@ -497,7 +514,11 @@ def copy_tokenizer(hf_dir: str, out_dir: str) -> list[str]:
   names = [n for n in tokenizer.FILES if os.path.isfile(os.path.join(hf_dir, n))]
   if names and os.path.isfile(os.path.join(hf_dir, 'tokenizer_config.json')):
     names.append('tokenizer_config.json')  # names the end-of-document token
-  for name in names:
+  for name in names:  # hf-import checked them before writing anything; hf-export's, here
+    try:
+      files.check_inside(hf_dir, os.path.join(hf_dir, name), '')
+    except ValueError as e:
+      raise ConvertError(str(e)) from None
     shutil.copyfile(os.path.join(hf_dir, name), os.path.join(out_dir, name))
   return names
 

@@ -29,6 +29,14 @@ A prepared corpus directory (written by trainer/prepare.py, read here):
   eval-NNNNN.bin/.idx  the held-out documents, the same way
   eval-NNNNN.bytes     int32 UTF-8 bytes of text each held-out token stands for (-1: end of
                        document); tokenizers other than bytes only (bits per byte)
+
+Opening one checks each file's size against the manifest and reads every
+token shard once, in bounded pieces (``FileArray.max``): a token id at or
+above ``model.vocab_size`` (a shard or manifest changed since it was
+prepared) is refused naming the shard and the id, not trained into a NaN
+loss. Text files and globs are read only when they are regular files (a FIFO
+would block, a device never end); with a tokenizer other than bytes, a file
+that is not UTF-8 is refused naming the byte.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import weakref
 
 import numpy as np
 
-from trainer import config as config_lib, tokenizer as tokenizer_lib
+from trainer import config as config_lib, files as files_lib, tokenizer as tokenizer_lib
 from trainer.config import Data as DataConfig
 
 BYTE_VOCAB = tokenizer_lib.BYTE_VOCAB
@@ -55,7 +63,7 @@ TOKENIZER_VOCAB = tokenizer_lib.BYTE_TOKENIZER_VOCAB
 FORMAT = 'ringtrain-prepared-1'
 MANIFEST = 'corpus.json'
 SPLITS = ('train', 'eval')
-
+SCAN_ITEMS = 1 << 22  # tokens per read of a shard's scan for its largest id
 
 
 def default_corpus_files() -> list[str]:
@@ -146,7 +154,7 @@ class FileArray:
   """
 
   def __init__(self, path: str, dtype: str, count: int):
-    self.dtype, self.count = np.dtype(dtype), count
+    self.path, self.dtype, self.count = path, np.dtype(dtype), count
     self._fd = os.open(path, os.O_RDONLY)
     self._finalizer = weakref.finalize(self, os.close, self._fd)
 
@@ -157,7 +165,29 @@ class FileArray:
     """Items ``start`` ... into ``out`` (contiguous, of this dtype), one system call."""
     want = out.nbytes
     if os.preadv(self._fd, [out], start * self.dtype.itemsize) != want:
-      raise OSError(f'a shard ended early: {want} bytes at item {start} of {self.count}')
+      raise DamagedCorpus(f'{self.path} ended early: {want} bytes at item {start} of its '
+                          f'{self.count} did not read (the file changed while this run read '
+                          'it: prepare the corpus again)')
+
+  def max(self) -> int:
+    """The largest item, read in bounded pieces; remembered per file, size and mtime."""
+    info = os.fstat(self._fd)
+    key = (self.path, info.st_ino, info.st_size, info.st_mtime_ns)
+    if key not in _MAX_ITEMS:
+      top, buffer = 0, np.empty(min(self.count, SCAN_ITEMS), self.dtype)
+      for start in range(0, self.count, SCAN_ITEMS):
+        part = buffer[:min(SCAN_ITEMS, self.count - start)]
+        self.read_into(start, part)
+        top = max(top, int(part.max()))
+      _MAX_ITEMS[key] = top
+    return _MAX_ITEMS[key]
+
+
+_MAX_ITEMS = {}  # FileArray.max of the files this process read (evaluate reads them twice)
+
+
+class DamagedCorpus(config_lib.ConfigError):
+  """A prepared corpus's files are not what its manifest says: one line, exit status 2."""
 
 
 def _split_stream(tokens, counts, bounds, split: int) -> tuple[Stream, Stream]:
@@ -197,6 +227,7 @@ def load(data_cfg: DataConfig, vocab_size: int, seed: int) -> Data:
   if data_cfg.eval_path:
     held = open_prepared(data_cfg.eval_path, 'eval', 'data.eval_path')
     _check_tokenizer(held[0], data_cfg, vocab_size, 'data.eval_path')
+    check_ids(held[1], vocab_size, 'data.eval_path', data_cfg.eval_path)
     data = dataclasses.replace(data, eval=held[1], description=(
         data.description + f'; held-out: {data_cfg.eval_path}'))
   return data
@@ -251,6 +282,8 @@ def glob_files(pattern: str, what: str, example: str, note: str = '') -> list[st
   if folders:
     raise ValueError(f'{what}{pattern!r} names a directory ({folders[0]}){note}: name files, '
                      f'e.g. {os.path.join(folders[0], example)}')
+  for f in files:  # before anything opens them: a FIFO would block, a device never end
+    files_lib.check_regular(f, f'{what}{pattern!r} names ')
   return files
 
 
@@ -258,7 +291,8 @@ def _read_text(files: list[str], tok):
   docs = []
   for name in files:
     with open(name, 'rb') as f:
-      docs.append(f.read())
+      raw = f.read()
+    docs.append(raw if tok.byte_level else tokenizer_lib.decode_utf8(raw, name)[0])
   if not sum(len(d) for d in docs):
     raise ValueError(f'corpus is empty: {len(files)} file(s), 0 bytes')
   return encode_documents(docs, tok)
@@ -342,21 +376,23 @@ def open_prepared(path: str, split: str, what: str = 'data.path') -> tuple[dict,
 def _file(path: str, name: str, dtype: str, count: int, what: str) -> str:
   """The path of file ``name`` if it holds ``count`` items of ``dtype``; else ValueError."""
   file = os.path.join(path, name)
-  size = os.path.getsize(file) if os.path.isfile(file) else None
+  found = files_lib.kind(file)
+  size = os.path.getsize(file) if found is None else None
   if size != count * np.dtype(dtype).itemsize:
-    raise ValueError(f'{what}={path!r} is damaged: {name} ' + (
-        'is missing' if size is None else f'has {size} bytes, its {MANIFEST} says '
-        f'{count * np.dtype(dtype).itemsize}'))
+    raise DamagedCorpus(f'{what}={path!r} is damaged: {name} ' + (
+        'is missing' if found == 'missing' else f'is {found}, not a regular file'
+        if found else f'has {size} bytes, its {MANIFEST} says {count * np.dtype(dtype).itemsize}'))
   return file
 
 
 def _load_prepared(data_cfg: DataConfig, vocab_size: int) -> Data:
   paths = [p.strip() for p in data_cfg.path.split(',')]
-  weights = _weights(data_cfg.weights, len(paths))
+  weights = parse_weights(data_cfg.weights, len(paths))
   corpora = [open_prepared(p, 'train') for p in paths]
   first = corpora[0][0]['tokenizer']
-  for p, (manifest, _) in zip(paths, corpora):
+  for p, (manifest, stream) in zip(paths, corpora):
     _check_tokenizer(manifest, data_cfg, vocab_size, 'data.path', p)
+    check_ids(stream, vocab_size, 'data.path', p)
   if not weights:
     weights = [s.num_tokens for _, s in corpora]
   given = data_cfg.eval_path
@@ -367,6 +403,7 @@ def _load_prepared(data_cfg: DataConfig, vocab_size: int) -> Data:
   what = 'data.eval_path' if given else 'data.path'
   held_manifest, held = open_prepared(eval_path, 'eval', what)
   _check_tokenizer(held_manifest, data_cfg, vocab_size, what, eval_path)
+  check_ids(held, vocab_size, what, eval_path)
   total = sum(weights)
   shares = tuple(w / total for w in weights)
   desc = ', '.join(f'{p} ({s:.0%})' if len(paths) > 1 else p for p, s in zip(paths, shares))
@@ -377,8 +414,12 @@ def _load_prepared(data_cfg: DataConfig, vocab_size: int) -> Data:
               first['eos_id'], desc, identity)
 
 
-def _weights(text: str, count: int) -> list[float]:
-  """``data.weights``: one positive number per corpus ('': by their sizes)."""
+def parse_weights(text: str, count: int) -> list[float]:
+  """``data.weights``: one positive number per corpus ('': by their sizes).
+
+  Their sum must be finite too (1e308,1e308 is not): each corpus's share is its
+  weight divided by it.
+  """
   if not text:
     return []
   try:
@@ -388,7 +429,24 @@ def _weights(text: str, count: int) -> list[float]:
   if len(weights) != count or not all(math.isfinite(w) and w > 0 for w in weights):
     raise ValueError(f'data.weights={text!r} is not {count} positive number(s) separated by '
                      f'commas, one per corpus of data.path')
+  if not math.isfinite(sum(weights)):
+    raise ValueError(f'data.weights={text!r} add up to more than a float holds: scale '
+                     'them down (only their ratios matter)')
   return weights
+
+
+def check_ids(stream: Stream, vocab_size: int, what: str, path: str) -> None:
+  """Every token id of a prepared split is below ``vocab_size`` (a scan of each shard).
+
+  The manifest's vocabulary is checked first (_check_tokenizer); this catches
+  shards or a manifest changed since: an id past the embedding ends in a NaN loss.
+  """
+  for shard in stream.shards:
+    top = shard.max()
+    if top >= vocab_size:
+      raise DamagedCorpus(f'{what}={path!r}: {os.path.basename(shard.path)} holds token id '
+                          f'{top} >= model.vocab_size={vocab_size} (changed since '
+                          f'python -m trainer.prepare wrote it, or its {MANIFEST} was)')
 
 
 def _check_tokenizer(manifest: dict, data_cfg: DataConfig, vocab_size: int, what: str,

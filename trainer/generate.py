@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ from flax import nnx
 
 from models.transformer import Transformer, TransformerConfig
 from parallelism import cli, mesh as mesh_lib, sharding
-from trainer import checkpoint, config as config_lib, runtime, tokenizer as tokenizer_lib, validation
+from trainer import checkpoint, config as config_lib, files, runtime, tokenizer as tokenizer_lib, validation
 from trainer.config import ConfigError, Mesh
 from trainer.state import abstract_model, with_shardings
 
@@ -74,8 +75,8 @@ def parse_args(argv):
 def check_args(args) -> None:
   if args.max_new_tokens < 1:
     raise ConfigError(f'--max_new_tokens={args.max_new_tokens} must be at least 1')
-  if args.temperature < 0:
-    raise ConfigError(f'--temperature={args.temperature} must be >= 0 (0: greedy)')
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):  # NaN samples garbage
+    raise ConfigError(f'--temperature={args.temperature} must be finite and >= 0 (0: greedy)')
   if args.top_k < 0:
     raise ConfigError(f'--top_k={args.top_k} must be >= 0 (0: no limit)')
   if not 0 < args.top_p <= 1:
@@ -235,11 +236,10 @@ def _prepare(args):
   tokenizer_lib.check_vocab(tok, model_cfg.vocab_size,
                             'tokenizer' if args.tokenizer is None else '--tokenizer')
   if args.prompt_file is not None:
-    if not os.path.isfile(args.prompt_file):
-      raise ValueError(f'--prompt_file {os.path.abspath(args.prompt_file)} does not exist')
+    files.check_regular(args.prompt_file, '--prompt_file ')
     with open(args.prompt_file, 'rb') as f:
       raw = f.read()
-    text = raw if tok.byte_level else raw.decode('utf-8', errors='replace')
+    text = raw if tok.byte_level else tokenizer_lib.decode_utf8(raw, args.prompt_file)[0]
   else:
     text = args.prompt
   prompt = tok.encode_documents([text])[0][0].tolist()

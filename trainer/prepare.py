@@ -2,7 +2,7 @@ r"""Tokenizes a text corpus once into token shards that training reads lazily.
 
   python -m trainer.prepare --input 'corpus/*.jsonl' [more files or globs ...] \
       --output data/mycorpus [--tokenizer SPEC] [--text_field text] \
-      [--eval_fraction 0.01] [--workers N] [--shard_size_mb 512]
+      [--eval_fraction 0.01] [--workers N] [--shard_size_mb 512] [--errors strict]
 
 Inputs, by name: ``.jsonl`` / ``.ndjson`` (one JSON object per line, the text in
 ``--text_field``), ``.parquet`` (the ``--text_field`` column; needs the
@@ -13,6 +13,18 @@ followed by its end-of-document token, in ``--workers`` processes, with a
 progress line on stderr. A document goes to the held-out split when a hash of
 its text falls below ``--eval_fraction``: the split does not depend on the
 order of the inputs or the number of workers, and duplicates land together.
+
+Only regular files are read (a FIFO, a device or a socket is refused before it
+is opened). A tokenizer other than bytes reads UTF-8: a byte sequence that is
+not, or half a surrogate pair in JSON, stops the run naming the file and the
+byte (``--errors=replace`` replaces them instead, counted in the summary and in
+``corpus.json``'s ``replaced``; the byte-level tokenizer takes any bytes). Memory
+stays bounded whatever a document's size: a text file of more than
+``PIECE_BYTES`` (4 MiB; other tokenizers: ``PIECE_CHARS``, 256 Ki characters)
+is read and tokenized in pieces of about that size (byte-level: the same
+tokens; other tokenizers: pieces cut where their pre-tokenizers cut, see
+``_cut``); a JSONL or Parquet document is held whole as text, its tokens in
+pieces. Documents are tokenized in batches of at most that size.
 
 The output directory (layout: trainer/data.py) holds ``train-NNNNN.bin`` token
 shards of about ``--shard_size_mb`` each with ``.idx`` document boundaries, the
@@ -35,6 +47,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -43,10 +56,17 @@ import time
 import numpy as np
 
 from trainer import data as data_lib
+from trainer import files as files_lib
 from trainer import hints, tokenizer as tokenizer_lib
 
 UNIT_BYTES = 32 << 20  # input bytes per piece of work (a worker's task)
-DOCS_PER_CALL = 1024   # documents tokenized per call
+DOCS_PER_CALL = 1024   # documents tokenized per call, at most
+# What one call tokenizes, about (a document of more is tokenized in pieces): bounds the
+# memory. Bytes of a file read at once, and the byte-level tokenizer's ids per call; other
+# tokenizers' characters per call (the tokenizers library takes some 300 bytes a token,
+# and a small vocabulary makes up to a token a character).
+PIECE_BYTES = 4 << 20
+PIECE_CHARS = 1 << 18
 WORK = '.work'
 JSONL = ('.jsonl', '.ndjson')
 
@@ -64,6 +84,10 @@ def parse_args(argv):
   p.add_argument('--workers', type=int, default=os.cpu_count() or 1,
                  help='tokenizing processes (default: one per CPU)')
   p.add_argument('--shard_size_mb', type=float, default=512, help='token shard size (MiB)')
+  p.add_argument('--errors', choices=tokenizer_lib.UTF8_ERRORS, default='strict',
+                 help='text a tokenizer cannot read (bytes that are not UTF-8, half a '
+                 'surrogate pair): strict (default) stops naming the file and byte; '
+                 'replace replaces it (U+FFFD, ?) and reports how much')
   return p.parse_args(argv)
 
 
@@ -105,7 +129,11 @@ def _parquet():
   return pq
 
 
-def _json(line: bytes, path: str, offset: int):
+def _json(line: bytes, path: str, offset: int, errors: str = 'replace', stats=None):
+  """The JSON object on ``line``; its bytes decoded as ``--errors`` says (counted in ``stats``)."""
+  line, replaced = tokenizer_lib.decode_utf8(line, path, offset, errors)
+  if stats is not None:
+    stats['replaced'] += replaced
   try:
     record = json.loads(line)
   except ValueError as e:
@@ -165,9 +193,11 @@ def fingerprint(files: list[str], args, tok) -> dict:
   inputs = [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
   tokenizer = ('bytes' if tok.byte_level else
                data_lib.file_sha256(tokenizer_lib.resolve(args.tokenizer)))
+  # --errors=strict writes what replace does, or nothing: corpora before the flag match.
   return {'format': data_lib.FORMAT, 'inputs': inputs, 'tokenizer': tokenizer,
           'text_field': args.text_field, 'eval_fraction': args.eval_fraction,
-          'unit_bytes': UNIT_BYTES, 'shard_size_mb': args.shard_size_mb}
+          'unit_bytes': UNIT_BYTES, 'shard_size_mb': args.shard_size_mb,
+          **({'errors': args.errors} if args.errors != 'strict' else {})}
 
 
 # ----------------------------------------------------------------- workers
@@ -175,12 +205,16 @@ def fingerprint(files: list[str], args, tok) -> dict:
 _TOKENIZER = {}
 
 
-def _documents(unit: dict, field: str):
-  """The unit's documents, as bytes (text files) or str."""
+def _documents(unit: dict, field: str, limit: int, errors: str, stats: dict):
+  """The unit's documents as (where, document): bytes or, when larger than ``limit``, a
+  _LargeFile (text files), or str."""
   if unit['kind'] == 'text':
     for path in unit['files']:
+      if os.path.getsize(path) > limit:
+        yield path, _LargeFile(path)
+        continue
       with open(path, 'rb') as f:
-        yield f.read()
+        yield path, f.read()
   elif unit['kind'] == 'jsonl':
     with open(unit['file'], 'rb') as f:
       f.seek(max(unit['start'] - 1, 0))
@@ -189,40 +223,148 @@ def _documents(unit: dict, field: str):
       while f.tell() < unit['stop']:
         offset, line = f.tell(), f.readline()
         if line.strip():
-          yield _text_of(_json(line, unit['file'], offset), field, unit['file'], offset)
+          where = f'{unit["file"]} at byte {offset}'
+          record = _json(line, unit['file'], offset, errors, stats)
+          yield where, _text_of(record, field, unit['file'], offset)
   else:
     table = _parquet().ParquetFile(unit['file']).read_row_groups(unit['groups'], columns=[field])
     for text in table.column(0).to_pylist():
       if text is not None and not isinstance(text, str):
         raise ValueError(f'--text_field={field!r}: {unit["file"]} holds a '
                          f'{type(text).__name__}, not text')
-      yield text or ''
+      yield unit['file'], text or ''
+
+
+class _LargeFile:
+  """A large text file, read in pieces of PIECE_BYTES (twice: its hash, its tokens)."""
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def chunks(self):
+    """(byte offset, bytes) of the file in order."""
+    with open(self.path, 'rb') as f:
+      offset = 0
+      for chunk in iter(lambda: f.read(PIECE_BYTES), b''):
+        yield offset, chunk
+        offset += len(chunk)
+
+  def digest(self):
+    digest = hashlib.blake2b(digest_size=8)
+    for _, chunk in self.chunks():
+      digest.update(chunk)
+    return digest
 
 
 def held_out(text: bytes, fraction: float) -> bool:
   """Whether a document (its UTF-8 bytes) is held out: a hash of it below ``fraction``."""
-  digest = hashlib.blake2b(text, digest_size=8).digest()
-  return int.from_bytes(digest, 'little') < fraction * 2**64
+  return _below(hashlib.blake2b(text, digest_size=8), fraction)
+
+
+def _below(digest, fraction: float) -> bool:
+  """Whether a document's blake2b ``digest`` (8 bytes) holds it out."""
+  return int.from_bytes(digest.digest(), 'little') < fraction * 2**64
+
+
+def _cut(text: str, limit: int) -> int:
+  """Where a piece of ``text`` (longer than ``limit`` characters) ends.
+
+  After a newline between two characters that are not whitespace, else before
+  a space between two such, the last in the piece's second half; else at its
+  end. Pre-tokenizers that split text into words (GPT-2's and Llama 3's
+  patterns, Whitespace) split there too, so the tokens equal the whole text's;
+  a SentencePiece model or a tokenizer that adds a space in front of its
+  input may tokenize a few characters at a cut otherwise.
+  """
+  window = text[limit // 2:limit]
+  for pattern, end in ((_NEWLINE, True), (_SPACE, False)):
+    last = None
+    for last in pattern.finditer(window):
+      pass
+    if last:
+      return limit // 2 + (last.end() if end else last.start())
+  return limit
+
+
+_NEWLINE = re.compile(r'(?<=\S)\n(?=\S)')
+_SPACE = re.compile(r'(?<=\S) (?=\S)')
+
+
+def _text_pieces(texts, limit: int):
+  """The text of ``texts`` (one document's consecutive parts) in pieces cut by ``_cut``."""
+  carry = ''
+  for text in texts:
+    carry += text
+    while len(carry) > limit:
+      at = _cut(carry, limit)
+      yield carry[:at]
+      carry = carry[at:]
+  if carry:
+    yield carry
+
+
+def _file_texts(doc: _LargeFile, errors: str, stats: dict):
+  """The text of a large file in parts, decoded piece by piece (see decode_utf8)."""
+  decoder = tokenizer_lib.utf8_decoder(errors)
+  offset = 0
+  for offset, chunk in doc.chunks():
+    text, replaced = tokenizer_lib.decode_utf8(chunk, doc.path, offset, errors, decoder, False)
+    stats['replaced'] += replaced
+    yield text
+  text, replaced = tokenizer_lib.decode_utf8(b'', doc.path, offset, errors, decoder)
+  stats['replaced'] += replaced
+  yield text
+
+
+def _payload(doc, where: str, tok, errors: str, stats: dict):
+  """(blake2b digest of the document's bytes, its size, what to tokenize or its pieces).
+
+  What to tokenize: the bytes (byte-level) or text of a document of at most
+  ``_limit(tok)``; a generator of pieces of a larger one, each tokenized apart.
+  """
+  limit = _limit(tok)
+  if isinstance(doc, _LargeFile):
+    size = os.path.getsize(doc.path)
+    if tok.byte_level:
+      return doc.digest(), size, (chunk for _, chunk in doc.chunks())
+    return doc.digest(), size, _text_pieces(_file_texts(doc, errors, stats), limit)
+  if isinstance(doc, bytes):  # a text file: hashed as it is, decoded for a tokenizer
+    raw, text, replaced = doc, None, 0
+    if not tok.byte_level:
+      text, replaced = tokenizer_lib.decode_utf8(doc, where, 0, errors)
+  else:  # JSONL, Parquet: what is hashed is what is tokenized
+    raw, replaced = tokenizer_lib.encode_utf8(doc, where, errors)
+    text = None if tok.byte_level else (raw.decode('utf-8') if replaced else doc)
+  stats['replaced'] += replaced
+  digest = hashlib.blake2b(raw, digest_size=8)
+  if len(raw) <= limit:
+    return digest, len(raw), raw if tok.byte_level else text
+  if tok.byte_level:
+    return digest, len(raw), (raw[i:i + limit] for i in range(0, len(raw), limit))
+  return digest, len(raw), _text_pieces((text[i:i + limit] for i in range(0, len(text), limit)),
+                                        limit)
+
+
+def _limit(tok) -> int:
+  return PIECE_BYTES if tok.byte_level else PIECE_CHARS
 
 
 def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: float,
-         dtype: str) -> dict:
+         dtype: str, errors: str = 'strict') -> dict:
   """Tokenizes one unit into ``out/u-INDEX-{train,eval}.*``; returns its counts."""
   if spec not in _TOKENIZER:
     os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')  # one process per core already
     _TOKENIZER[spec] = tokenizer_lib.load(spec)
   tok = _TOKENIZER[spec]
   writers = {s: _UnitWriter(os.path.join(out, f'u-{index:05d}-{s}'), dtype, s == 'eval'
-                            and not tok.byte_level) for s in data_lib.SPLITS}
+                            and not tok.byte_level, tok) for s in data_lib.SPLITS}
   batches = {s: [] for s in data_lib.SPLITS}
-  stats = {'documents': 0, 'empty': 0, 'bytes': unit['bytes']}
+  sizes = dict.fromkeys(data_lib.SPLITS, 0)
+  stats = {'documents': 0, 'empty': 0, 'bytes': unit['bytes'], 'replaced': 0}
 
   def flush(split):
     ids, counts, lengths = data_lib.encode_documents(batches[split], tok)
-    batches[split] = []
-    if ids.size and int(ids.max()) > np.iinfo(dtype).max:  # astype would wrap it
-      raise ValueError(f'tokenizer {tok.name} gave token id {int(ids.max())}, more than the '
-                       f'corpus dtype {dtype} holds (its vocab_size is {tok.vocab_size})')
+    batches[split], sizes[split] = [], 0
     # Without an end-of-document token, a document can tokenize to nothing (blank text):
     # it has no place in the index (bounds_of), so it is skipped like an empty one.
     nothing = int((lengths == 0).sum())
@@ -230,18 +372,24 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
     stats['empty'] += nothing
     writers[split].write(ids, counts, lengths[lengths > 0])
 
-  for doc in _documents(unit, field):
-    # UTF-8 without what cannot be encoded (a lone surrogate a JSON escape can hold):
-    # what is hashed is what is tokenized.
-    raw = doc if isinstance(doc, bytes) else doc.encode('utf-8', errors='replace')
-    if not raw:
+  for where, doc in _documents(unit, field, _limit(tok), errors, stats):
+    if not doc:
       stats['empty'] += 1
       continue
-    split = 'eval' if held_out(raw, fraction) else 'train'
-    batches[split].append(raw)
+    digest, size, payload = _payload(doc, where, tok, errors, stats)
+    split = 'eval' if _below(digest, fraction) else 'train'
     stats['documents'] += 1
-    if len(batches[split]) == DOCS_PER_CALL:
-      flush(split)
+    if isinstance(payload, (bytes, str)):
+      batches[split].append(payload)
+      sizes[split] += size
+      if len(batches[split]) == DOCS_PER_CALL or sizes[split] >= _limit(tok):
+        flush(split)
+      continue
+    if batches[split]:
+      flush(split)  # the documents before it, first
+    if not writers[split].write_pieces(payload):
+      stats['documents'] -= 1
+      stats['empty'] += 1
   for split, writer in writers.items():
     if batches[split]:
       flush(split)
@@ -253,13 +401,30 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
 class _UnitWriter:
   """Appends one split's tokens, document lengths and (held out) byte counts."""
 
-  def __init__(self, stem: str, dtype: str, counts: bool):
-    self.stem, self.dtype, self.tokens, self.text_bytes = stem, dtype, 0, 0
+  def __init__(self, stem: str, dtype: str, counts: bool, tok):
+    self.stem, self.dtype, self.tok, self.tokens, self.text_bytes = stem, dtype, tok, 0, 0
     self.files = {'bin': open(stem + '.bin', 'wb'), 'len': open(stem + '.len', 'wb')}
     if counts:
       self.files['bytes'] = open(stem + '.bytes', 'wb')
 
+  def write_pieces(self, pieces) -> int:
+    """Writes one document tokenized piece by piece, then its end; returns its length."""
+    length = 0
+    for piece in pieces:
+      (ids, counts), = self.tok.encode_documents([piece])
+      self.write(ids, counts, np.zeros(0, np.int64))
+      length += len(ids)
+    eos = [] if self.tok.eos_id is None else [self.tok.eos_id]
+    length += len(eos)
+    self.write(np.array(eos, np.int32), np.full(len(eos), -1, np.int32),
+               np.array([length] if length else [], np.int64))
+    return length
+
   def write(self, ids: np.ndarray, counts: np.ndarray, lengths: np.ndarray) -> None:
+    if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:  # astype would wrap it
+      raise ValueError(f'tokenizer {self.tok.name} gave token id {int(ids.max())}, more than '
+                       f'the corpus dtype {self.dtype} holds (its vocab_size is '
+                       f'{self.tok.vocab_size})')
     self.files['bin'].write(ids.astype(self.dtype).tobytes())
     self.files['len'].write(lengths.astype(np.int64).tobytes())
     if 'bytes' in self.files:
@@ -297,7 +462,7 @@ def run_units(units: list[dict], files: list[str], work_dir: str, args,
     with concurrent.futures.ProcessPoolExecutor(
         min(args.workers, len(todo)), mp_context=multiprocessing.get_context('spawn')) as pool:
       futures = {pool.submit(work, i, units[i], work_dir, args.tokenizer, args.text_field,
-                             args.eval_fraction, dtype): i for i in todo}
+                             args.eval_fraction, dtype, args.errors): i for i in todo}
       try:
         for future in concurrent.futures.as_completed(futures):
           done[futures[future]] = future.result()
@@ -410,6 +575,7 @@ def check_args(args) -> None:
     raise ValueError(f'--workers={args.workers} must be at least 1')
   if not (math.isfinite(args.shard_size_mb) and args.shard_size_mb > 0):
     raise ValueError(f'--shard_size_mb={args.shard_size_mb} must be finite and > 0')
+  files_lib.check_length(args.output, '--output ', below=len(f'/{WORK}/u-00000-train.bytes.tmp'))
 
 
 def prepare(args) -> int:
@@ -441,10 +607,14 @@ def prepare(args) -> int:
                     not tok.byte_level)
   manifest = {'format': data_lib.FORMAT, 'fingerprint': _digest(source), 'source': source,
               'tokenizer': _tokenizer_record(tok, args.tokenizer), 'dtype': dtype,
-              'empty_documents_skipped': sum(s['empty'] for s in stats), 'splits': splits}
+              'empty_documents_skipped': sum(s['empty'] for s in stats),
+              'replaced': sum(s.get('replaced', 0) for s in stats), 'splits': splits}
   _write_json(os.path.join(args.output, data_lib.MANIFEST), manifest)  # last: complete
   shutil.rmtree(work_dir, ignore_errors=True)
   _summary(args.output, splits, manifest['tokenizer'])
+  if manifest['replaced']:
+    print(f'--errors=replace: replaced {manifest["replaced"]:,} undecodable byte sequence(s) '
+          'by U+FFFD and unencodable character(s) by ? (in corpus.json: replaced)')
   return 0
 
 
@@ -493,6 +663,11 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
+  except OSError as e:  # a full disk, a file that went away: what was done is kept
+    where = f': {e.filename}' if e.filename else ''
+    print(f'error: {e.strerror or e}{where}; once that is mended, the same command finishes '
+          'the work (pieces done are kept)', file=sys.stderr)
+    return 1
 
 
 if __name__ == '__main__':

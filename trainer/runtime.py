@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from parallelism import hardware
-from trainer.hints import install_hint
+from trainer import hints
 from trainer.config import Config
 
 CPU_DEVICES_ENV = 'RINGTRAIN_CPU_DEVICES'
@@ -187,6 +187,16 @@ def start_distributed(settings: dict | None, cpu: bool) -> None:
       coordinator_bind_address=settings['bind_address'] or None, **settings['timeouts'])
 
 
+def _platform_hint(platform: str) -> str:
+  """What to do when JAX cannot open ``platform``: a command that exists."""
+  if platform == 'cpu':  # jaxlib itself: the CPU needs no plugin
+    return (f'reinstall JAX ({hints.PIP_INSTALL} .), and check XLA_FLAGS '
+            f'and {CPU_DEVICES_ENV}')
+  extra = {'tpu': 'tpu', 'gpu': 'cuda12'}[platform]
+  return (f'install the {extra} extra ({hints.install_hint(extra)}), or '
+          'set JAX_PLATFORMS=cpu to train on the CPU')
+
+
 def start(cfg: Config) -> hardware.HardwareProfile:
   """Starts JAX on this machine's platform with the chip's compiler flags.
 
@@ -203,10 +213,8 @@ def start(cfg: Config) -> hardware.HardwareProfile:
   try:
     devices = jax.devices()
   except RuntimeError as e:  # a visible TPU or GPU whose JAX plugin is missing or broken
-    extra = {'tpu': 'tpu', 'gpu': 'cuda12'}.get(platform, platform)
-    raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); install '
-                     f'the {extra} extra ({install_hint(extra)}), or set '
-                     'JAX_PLATFORMS=cpu to train on the CPU') from None
+    raise ValueError(f'JAX cannot open the {platform} ({str(e).splitlines()[0]}); '
+                     + _platform_hint(platform)) from None
   return hardware.detect(name, [d.device_kind for d in devices])
 
 

@@ -18,12 +18,15 @@ for any tokenizer.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 
 import numpy as np
 import sentencepiece
 import tokenizers
+
+from trainer import files
 
 BYTE_VOCAB = 256
 EOS_ID = 256
@@ -127,6 +130,65 @@ class SentencePieceTokenizer(Tokenizer):
     return self._sp.decode([int(i) for i in ids])
 
 
+UTF8_ERRORS = ('strict', 'replace')  # what prepare's --errors takes
+_REPLACED = [0]  # what the 'ringtrain-count' handler replaced in this process
+
+
+def _count_and_replace(e: UnicodeError) -> tuple[str, int]:
+  """'replace', counting: U+FFFD per undecodable sequence, '?' per unencodable character."""
+  if isinstance(e, UnicodeDecodeError):
+    _REPLACED[0] += 1
+    return '\ufffd', e.end
+  _REPLACED[0] += e.end - e.start
+  return '?' * (e.end - e.start), e.end
+
+
+codecs.register_error('ringtrain-count', _count_and_replace)
+
+
+def utf8_decoder(errors: str = 'strict'):
+  """An incremental UTF-8 decoder for ``decode_utf8`` (a file read piece by piece)."""
+  return codecs.getincrementaldecoder('utf-8')('strict' if errors == 'strict'
+                                               else 'ringtrain-count')
+
+
+def decode_utf8(raw: bytes, name: str, offset: int = 0, errors: str = 'strict',
+                decoder=None, final: bool = True) -> tuple[str, int]:
+  """(the text of UTF-8 ``raw``, how many undecodable sequences became U+FFFD).
+
+  ``errors='strict'`` raises ValueError naming ``name`` and the byte offset
+  (``offset``: where ``raw`` starts in it) of the first undecodable byte;
+  ``'replace'`` replaces and counts. A ``decoder`` (``utf8_decoder``) reads a
+  file piece by piece: a character cut at a piece's end waits for the next
+  (``final=False``).
+  """
+  decoder = decoder or utf8_decoder(errors)
+  held, before = len(decoder.getstate()[0]), _REPLACED[0]
+  try:
+    text = decoder.decode(raw, final)
+  except UnicodeDecodeError as e:  # its offsets count the held bytes, then raw's
+    raise ValueError(f'{name} at byte {offset - held + e.start}: not UTF-8 ({e.reason}); '
+                     'python -m trainer.prepare --errors=replace replaces such bytes (U+FFFD) '
+                     'and counts them') from None
+  return text, _REPLACED[0] - before
+
+
+def encode_utf8(text: str, name: str, errors: str = 'strict') -> tuple[bytes, int]:
+  """(``text`` as UTF-8, how many characters UTF-8 cannot hold became '?').
+
+  Such characters are halves of surrogate pairs (a JSON escape can hold one);
+  ``errors='strict'`` raises ValueError naming ``name`` and the character.
+  """
+  before = _REPLACED[0]
+  try:
+    raw = text.encode('utf-8', 'strict' if errors == 'strict' else 'ringtrain-count')
+  except UnicodeEncodeError as e:
+    raise ValueError(f'{name}: character {e.start} of the text is {text[e.start]!r}, half a '
+                     "surrogate pair, which UTF-8 cannot hold (prepare's --errors=replace "
+                     'replaces and counts such characters)') from None
+  return raw, _REPLACED[0] - before
+
+
 def _utf8(text: str | bytes) -> bytes:
   return text if isinstance(text, bytes) else text.encode('utf-8', errors='replace')
 
@@ -163,6 +225,8 @@ def resolve(spec: str) -> str:
         return os.path.join(spec, name)
     raise ValueError(f'tokenizer: no {" or ".join(FILES)} in directory '
                      f'{os.path.abspath(spec)}')
+  if os.path.exists(spec) and not os.path.isfile(spec):  # before open: a FIFO would block
+    files.check_regular(spec, 'tokenizer ')
   if not os.path.isfile(spec):
     raise ValueError(f'tokenizer file not found: {os.path.abspath(spec)} (a local '
                      'tokenizer.json, SentencePiece .model or a directory holding one; '

@@ -223,6 +223,7 @@ def _check_workdir(workdir: str | None) -> None:
                      f'(--workdir /mnt/{rest})')
   if not workdir:
     return
+  validation.check_workdir(workdir)
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ValueError(f'--workdir {workdir} exists and is not a directory')
   existing = os.path.abspath(workdir)

@@ -17,8 +17,13 @@ from typing import Any
 from models import attention
 from models.transformer import SPLASH_KV, SPLASH_Q
 from parallelism import hardware, sharding
-from trainer import optim
+from trainer import data, files, optim
 from trainer.config import Config
+
+# The longest path a run writes below its workdir, with room to spare: Orbax's temporary
+# step directories (checkpoints/N.orbax-checkpoint-tmp-TIME/state/ocdbt.process_K/d/HASH)
+# and TensorBoard's event files (tb/events.out.tfevents.TIME.HOST.PID.N, HOST up to 64).
+WORKDIR_BELOW = 256
 
 def validate(cfg: Config) -> None:
   """Raises ValueError for the first value a run cannot use."""
@@ -42,6 +47,11 @@ def validate(cfg: Config) -> None:
                      f'model.attention_block={m.attention_block}')
 
 
+def check_workdir(workdir: str) -> None:
+  """The workdir and the files a run writes below it fit the file system's limits."""
+  files.check_length(workdir, '--workdir ', below=WORKDIR_BELOW)
+
+
 def check_model(model_cfg) -> None:
   """TransformerConfig.validate(), after the sizes it divides by: each at least 1.
 
@@ -51,6 +61,9 @@ def check_model(model_cfg) -> None:
               'mlp_dim', 'max_seq_len'):
     if getattr(model_cfg, key) < 1:
       raise ValueError(f'model.{key}={getattr(model_cfg, key)} must be at least 1')
+  for key in ('rope_theta', 'norm_eps'):  # else the run compiles, then its loss is NaN
+    if not (math.isfinite(getattr(model_cfg, key)) and getattr(model_cfg, key) > 0):
+      raise ValueError(f'model.{key}={getattr(model_cfg, key)} must be finite and > 0')
   if model_cfg.head_dim % 2:  # rotary embeddings turn pairs of features
     raise ValueError(f'model.head_dim={model_cfg.head_dim} must be even (rotary embeddings)')
   model_cfg.validate()
@@ -75,6 +88,9 @@ def _check_run(cfg: Config) -> None:
     raise ValueError(f'seed={cfg.seed} is not in [0, 2**32)')
   if cfg.data.prefetch < 0:  # a queue of negative size has no bound
     raise ValueError(f'data.prefetch={cfg.data.prefetch} must be >= 0 (0: no background thread)')
+  data.parse_weights(cfg.data.weights, len(cfg.data.path.split(',')))
+  if cfg.hardware.cpu_devices < 1:  # JAX would start with no CPU device
+    raise ValueError(f'hardware.cpu_devices={cfg.hardware.cpu_devices} must be at least 1')
   prof = cfg.profile
   if prof.start_step < 0 or prof.num_steps < 0:
     raise ValueError(f'profile.start_step={prof.start_step} and profile.num_steps='
