@@ -174,7 +174,7 @@ class Data:
   train: tuple[Stream, ...]   # the corpora of the mixture (one but for a mixture)
   weights: tuple[float, ...]  # each corpus's share of the training sequences
   eval: Stream                # the held-out documents the evals score
-  shuffled: bool              # prepared corpora: documents shuffled per epoch; else windows
+  shuffled: bool              # prepared: documents, then sequences, shuffled; else windows
   byte_level: bool            # tokens < BYTE_VOCAB are bytes (bits per byte without counts)
   eos_id: int | None
   description: str
@@ -372,7 +372,7 @@ def _load_prepared(data_cfg: DataConfig, vocab_size: int) -> Data:
   desc = ', '.join(f'{p} ({s:.0%})' if len(paths) > 1 else p for p, s in zip(paths, shares))
   desc = f'prepared corpus {desc}, held-out: {eval_path}, tokenizer {first["name"]}'
   identity = {'sources': [m['fingerprint'] for m, _ in corpora], 'weights': list(shares),
-              'sampling': 'shuffled documents'}
+              'sampling': 'shuffled sequences'}
   return Data(tuple(s for _, s in corpora), shares, held, True, first['byte_level'],
               first['eos_id'], desc, identity)
 

@@ -2,12 +2,16 @@
 
 Training batches come in one of two ways:
   * prepared corpora (``Data.shuffled``): each epoch puts a corpus's documents in
-    a new order, a permutation drawn from (seed, corpus, epoch), and cuts their
+    a new order, a permutation drawn from (seed, corpus, epoch), cuts their
     concatenation into sequences of ``seq_len`` + 1 tokens (inputs and the
-    targets one token on); sequence j of a corpus's stream is sequence
-    j mod n of epoch j div n, n = (tokens - 1) div seq_len. Grain's
-    ``MapDataset.mix`` interleaves the corpora of a mixture by weight. The
-    batch for step k holds sequences k * batch_size ... of the mixed stream;
+    targets one token on), n = (tokens - 1) div seq_len of them, and shuffles
+    those: sequence j of a corpus's stream is sequence ``perm_e(j mod n)`` of
+    epoch e = j div n, ``perm_e`` Grain's global shuffle (``MapDataset.shuffle``,
+    reseeded each epoch, computed per index: nothing stored). Grain's
+    ``MapDataset.mix`` interleaves the corpora of a mixture by weight. The batch
+    for step k holds sequences k * batch_size ... of the mixed stream: rows from
+    across the epoch, each read on its own (a long document does not fill a
+    batch, nor steps in a row: python -m benchmarks.data_quality);
   * the other sources: ``batch_size`` windows at random places of the token
     stream, drawn from (seed, k) with replacement (the batches ``make train``'s
     numbers were measured with).
@@ -45,12 +49,21 @@ EPOCHS_CACHED = 2  # document orders kept per corpus (prefetching may straddle a
 
 
 class Packer:
-  """One corpus's documents cut into sequences of ``seq_len`` + 1 tokens, epoch after epoch."""
+  """One corpus's documents cut into sequences of ``seq_len`` + 1 tokens, epoch after epoch.
+
+  Each epoch puts the documents in a new order (a permutation drawn from (seed,
+  corpus, epoch)) and cuts their concatenation into ``per_epoch`` sequences;
+  sequence j of the corpus's stream is sequence ``place(j)`` of epoch j div
+  ``per_epoch``: Grain's global shuffle (``MapDataset.shuffle``, a permutation of
+  the epoch's sequences computed per index, nothing stored) reseeded each epoch.
+  """
 
   def __init__(self, stream: data_lib.Stream, seq_len: int, seed: int | None, corpus: int = 0):
     self.stream, self.seq_len, self.seed, self.corpus = stream, seq_len, seed, corpus
     self.per_epoch = (stream.num_tokens - 1) // seq_len
     self._orders, self._lock = {}, threading.Lock()
+    self._sequences = None if seed is None else grain.MapDataset.range(self.per_epoch).shuffle(
+        seed=int(np.random.default_rng((seed, corpus)).integers(2**31)))
 
   def order(self, epoch: int) -> tuple[np.ndarray | None, np.ndarray]:
     """(documents in epoch order, where each starts in it); stored order without a seed."""
@@ -66,17 +79,21 @@ class Packer:
           del self._orders[old]
       return self._orders[epoch]
 
-  def runs(self, first_seq: int, count: int):
-    """(epoch, sequence in it, how many): sequences ``first_seq`` ... in contiguous runs."""
-    while count:
-      epoch, seq = divmod(first_seq, self.per_epoch)
-      n = min(count, self.per_epoch - seq)
-      yield epoch, seq, n
-      first_seq, count = first_seq + n, count - n
+  def place(self, index: int) -> tuple[int, int]:
+    """(epoch, sequence of it) that sequence ``index`` of the stream is; in order unseeded."""
+    epoch, seq = divmod(index, self.per_epoch)
+    return epoch, seq if self._sequences is None else int(self._sequences[index])
+
+  def read_row(self, index: int, out: np.ndarray) -> list[int]:
+    """Sequence ``index`` of the stream into ``out`` (``seq_len`` + 1 tokens); returns
+    where in it documents begin (0 left out)."""
+    epoch, seq = self.place(index)
+    return read_ordered(self.stream, self.order(epoch), seq * self.seq_len, out)
 
   def read(self, epoch: int, seq: int, n: int) -> tuple[np.ndarray, list[int]]:
-    """Sequences ``seq`` ... ``seq + n - 1`` of ``epoch``, back to back (n * seq_len + 1
-    tokens: sequence i is [i * seq_len, (i + 1) * seq_len]), and where documents begin."""
+    """Sequences ``seq`` ... ``seq + n - 1`` of ``epoch`` as packed (unshuffled), back to
+    back (n * seq_len + 1 tokens: sequence i is [i * seq_len, (i + 1) * seq_len]), and
+    where documents begin."""
     tokens = np.empty(n * self.seq_len + 1, np.int32)
     begins = read_ordered(self.stream, self.order(epoch), seq * self.seq_len, tokens)
     return tokens, begins
@@ -155,11 +172,17 @@ def train_dataset(data: data_lib.Data, seed: int, batch_size: int, seq_len: int,
 def _window_rows(stream, seed, batch_size, seq_len, rows, step):
   """Random windows, drawn from (seed, step) with replacement."""
   rng = np.random.default_rng((seed, step))
-  offsets = rng.integers(0, stream.num_tokens - seq_len, size=batch_size)
-  tokens, begins = np.empty((len(rows), seq_len + 1), np.int32), []
-  for i, offset in enumerate(offsets[rows].tolist()):
-    found = read_ordered(stream, (None, stream.bounds), offset, tokens[i])
-    begins += [i * seq_len + b for b in found]
+  offsets = rng.integers(0, stream.num_tokens - seq_len, size=batch_size)[rows].tolist()
+  return _stacked(seq_len, [functools.partial(read_ordered, stream, (None, stream.bounds), o)
+                            for o in offsets])
+
+
+def _stacked(seq_len: int, reads: list) -> dict:
+  """Packed examples of rows ``read(out)`` fills (``seq_len`` + 1 tokens; it returns where
+  documents begin in them), one row a read."""
+  tokens, begins = np.empty((len(reads), seq_len + 1), np.int32), []
+  for i, read in enumerate(reads):
+    begins += [i * seq_len + b for b in read(tokens[i])]
   return examples(tokens[:, :-1], tokens[:, 1:], begins)
 
 
@@ -177,29 +200,11 @@ def _tag(corpus: int, index: int) -> tuple[int, int]:
 
 
 def _packed_rows(packers, mixture, batch_size, rows, step):
-  """Each run of rows that holds consecutive sequences of one corpus is read at once."""
-  first = step * batch_size
-  picks = [(0, first + r) if mixture is None else mixture[first + r] for r in rows.tolist()]
-  seq_len = packers[0].seq_len
-  runs, i = [], 0
-  while i < len(picks):
-    corpus, seq = picks[i]
-    n = 1
-    while i + n < len(picks) and picks[i + n] == (corpus, seq + n):
-      n += 1
-    runs += [(packers[corpus],) + run for run in packers[corpus].runs(seq, n)]
-    i += n
-  if len(runs) == 1:  # the common case: the rows are views of one read
-    flat, begins = runs[0][0].read(*runs[0][1:])
-    return examples(*_rows(flat, seq_len), begins)
-  tokens, begins, row = np.empty((len(picks), seq_len + 1), np.int32), [], 0
-  for packer, epoch, seq, n in runs:
-    flat, found = packer.read(epoch, seq, n)
-    tokens[row:row + n, :-1] = flat[:-1].reshape(n, seq_len)
-    tokens[row:row + n, -1] = flat[seq_len::seq_len]
-    begins += [row * seq_len + b for b in found]
-    row += n
-  return examples(tokens[:, :-1], tokens[:, 1:], begins)
+  """Row r: sequence ``step * batch_size + r`` of the mixed stream, each shuffled apart."""
+  picks = [(0, step * batch_size + r) if mixture is None else mixture[step * batch_size + r]
+           for r in rows.tolist()]
+  return _stacked(packers[0].seq_len,
+                  [functools.partial(packers[c].read_row, j) for c, j in picks])
 
 
 class TrainBatches:
