@@ -20,7 +20,7 @@ def _corpus(root, letter, n):
   root.mkdir()
   (root / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
   assert prepare.main(['--input', str(root / 'in.jsonl'), '--output', str(root / 'out'),
-                       '--eval_fraction', '0.3', '--workers', '1']) == 0
+                       '--eval_fraction', '0.3', '--eval_tokens', '0', '--workers', '1']) == 0
   return str(root / 'out'), docs
 
 

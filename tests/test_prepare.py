@@ -47,7 +47,7 @@ def test_round_trip_tokens_documents_and_held_out_split(tmp_path, monkeypatch, c
   monkeypatch.setattr(prepare, 'UNIT_BYTES', 2000)  # several pieces of work, several shards
   assert _run('--input', tmp_path / 'in/*.jsonl', tmp_path / 'in/t*.txt',
               tmp_path / 'in/p.parquet', '--output', tmp_path / 'out',
-              '--eval_fraction', '0.2', '--shard_size_mb', '0.01') == 0
+              '--eval_fraction', '0.2', '--eval_tokens', '0', '--shard_size_mb', '0.01') == 0
   assert 'prepare: ' in capsys.readouterr().err  # progress
   manifest, train_split = data.open_prepared(str(tmp_path / 'out'), 'train')
   _, held = data.open_prepared(str(tmp_path / 'out'), 'eval')
@@ -60,6 +60,32 @@ def test_round_trip_tokens_documents_and_held_out_split(tmp_path, monkeypatch, c
   assert train_split.num_docs + held.num_docs == len(docs) == manifest['splits']['train'][
       'documents'] + manifest['splits']['eval']['documents']
   assert not os.path.exists(tmp_path / 'out' / prepare.WORK)
+
+
+@pytest.mark.parametrize('want', [5000, 10**9])
+def test_a_short_held_out_split_is_topped_up_to_eval_tokens(tmp_path, monkeypatch, capsys,
+                                                            want):
+  """A few documents by --eval_fraction hold too few tokens: the next ones by hash join them,
+  whole, until --eval_tokens (at most half the tokens, one document left to train on)."""
+  docs = _inputs(tmp_path / 'in')
+  monkeypatch.setattr(prepare, 'UNIT_BYTES', 3000)  # several pieces: some are done again
+  assert _run('--input', tmp_path / 'in/*.jsonl', tmp_path / 'in/t*.txt', '--output',
+              tmp_path / 'out', '--eval_fraction', '0.02', '--eval_tokens', want) == 0
+  assert 'holding out more' in capsys.readouterr().err
+  manifest, train_split = data.open_prepared(str(tmp_path / 'out'), 'train')
+  _, held = data.open_prepared(str(tmp_path / 'out'), 'eval')
+  docs = docs[:100]  # the JSONL and text inputs
+  tokens = {d: len(d.encode()) + 1 for d in docs}  # bytes and the EOS
+  by_hash = sorted(docs, key=lambda d: prepare.doc_hash(d.encode()))
+  held_docs, train_docs = _doc_tokens(held), _doc_tokens(train_split)
+  assert sorted(held_docs + train_docs) == sorted(docs)
+  assert set(held_docs) == set(by_hash[:len(held_docs)])  # the first ones by hash
+  assert set(held_docs) > {d for d in docs if prepare.held_out(d.encode(), 0.02)}
+  total, kept = sum(tokens.values()), sum(tokens[d] for d in held_docs)
+  enough = min(want, total // 2)
+  assert kept == held.num_tokens >= enough > kept - tokens[by_hash[len(held_docs) - 1]]
+  assert manifest['source']['eval_tokens'] == want
+  assert _doc_tokens(train_split) == [d for d in docs if d not in set(held_docs)]  # in order
 
 
 def test_rerun_is_a_no_op_and_an_interrupted_run_looks_unfinished(tmp_path, monkeypatch, capsys):

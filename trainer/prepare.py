@@ -2,7 +2,7 @@ r"""Tokenizes a text corpus once into token shards that training reads lazily.
 
   python -m trainer.prepare --input 'corpus/*.jsonl' [more files or globs ...] \
       --output data/mycorpus [--tokenizer SPEC] [--text_field text] \
-      [--eval_fraction 0.01] [--workers N] [--shard_size_mb 512]
+      [--eval_fraction 0.01] [--eval_tokens 131073] [--workers N] [--shard_size_mb 512]
 
 Inputs, by name: ``.jsonl`` / ``.ndjson`` (one JSON object per line, the text in
 ``--text_field``), ``.parquet`` (the ``--text_field`` column; needs the
@@ -13,6 +13,10 @@ followed by its end-of-document token, in ``--workers`` processes, with a
 progress line on stderr. A document goes to the held-out split when a hash of
 its text falls below ``--eval_fraction``: the split does not depend on the
 order of the inputs or the number of workers, and duplicates land together.
+Should those documents hold fewer than ``--eval_tokens`` tokens (a small corpus,
+or one of few long documents), the limit rises to the next documents by hash
+until they do (at most half the corpus's tokens; one document always trains):
+the pieces of work with such documents are tokenized again.
 
 The output directory (layout: trainer/data.py) holds ``train-NNNNN.bin`` token
 shards of about ``--shard_size_mb`` each with ``.idx`` document boundaries, the
@@ -48,6 +52,7 @@ UNIT_BYTES = 32 << 20  # input bytes per piece of work (a worker's task)
 DOCS_PER_CALL = 1024   # documents tokenized per call
 WORK = '.work'
 JSONL = ('.jsonl', '.ndjson')
+EVAL_TOKENS = 32 * 16 * 256 + 1  # evaluate --config.eval_steps=32 on the default config
 
 
 def parse_args(argv):
@@ -59,7 +64,11 @@ def parse_args(argv):
                  'file or directory (see trainer/tokenizer.py)')
   p.add_argument('--text_field', default='text', help='JSONL key / Parquet column of the text')
   p.add_argument('--eval_fraction', type=float, default=0.01,
-                 help='share of documents held out (default 0.01)')
+                 help='share of documents held out (default 0.01; 0: none)')
+  p.add_argument('--eval_tokens', type=int, default=EVAL_TOKENS,
+                 help='held out: at least this many tokens, in whole documents, when '
+                 '--eval_fraction > 0 (default %(default)s: 32 eval batches of the default '
+                 "config's 16 x 256 tokens; at most half the corpus's; 0: the fraction alone)")
   p.add_argument('--workers', type=int, default=os.cpu_count() or 1,
                  help='tokenizing processes (default: one per CPU)')
   p.add_argument('--shard_size_mb', type=float, default=512, help='token shard size (MiB)')
@@ -166,6 +175,7 @@ def fingerprint(files: list[str], args, tok) -> dict:
                data_lib.file_sha256(tokenizer_lib.resolve(args.tokenizer)))
   return {'format': data_lib.FORMAT, 'inputs': inputs, 'tokenizer': tokenizer,
           'text_field': args.text_field, 'eval_fraction': args.eval_fraction,
+          'eval_tokens': args.eval_tokens,
           'unit_bytes': UNIT_BYTES, 'shard_size_mb': args.shard_size_mb}
 
 
@@ -199,14 +209,50 @@ def _documents(unit: dict, field: str):
 
 
 def held_out(text: bytes, fraction: float) -> bool:
-  """Whether a document (its UTF-8 bytes) is held out: a hash of it below ``fraction``."""
-  digest = hashlib.blake2b(text, digest_size=8).digest()
-  return int.from_bytes(digest, 'little') < fraction * 2**64
+  """Whether a document (its UTF-8 bytes) is held out: a hash of it below ``fraction``
+  (before ``--eval_tokens`` raises the limit: hold_out_limit)."""
+  return doc_hash(text) < fraction_limit(fraction)
 
 
-def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: float,
+def doc_hash(text: bytes) -> int:
+  """A document's place in the hold-out order: a hash of its UTF-8 bytes in [0, 2**64)."""
+  return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), 'little')
+
+
+def fraction_limit(fraction: float) -> int:
+  """The hash limit that holds out ``fraction`` of the documents (hashes below it)."""
+  return math.ceil(fraction * 2**64)
+
+
+def hold_out_limit(work_dir: str, count: int, fraction: float, tokens: int) -> int:
+  """The hash limit of the held-out documents: ``fraction``'s, raised (documents by hash)
+  until they hold ``tokens`` tokens or half the corpus's; one document stays in training."""
+  base = fraction_limit(fraction)
+  if not (fraction and tokens):
+    return base
+  hashes, lengths = [], []
+  for i in range(count):
+    for split in data_lib.SPLITS:
+      stem = os.path.join(work_dir, f'u-{i:05d}-{split}')
+      hashes.append(np.fromfile(stem + '.hash', np.uint64))
+      lengths.append(np.fromfile(stem + '.len', np.int64))
+  hashes, lengths = np.concatenate(hashes), np.concatenate(lengths)
+  order = np.argsort(hashes, kind='stable')
+  hashes, total = hashes[order], np.cumsum(lengths[order])
+  first = min(int(np.searchsorted(total, min(tokens, total[-1] // 2))), len(hashes) - 2)
+  return base if first < 0 else max(base, int(hashes[first]) + 1)
+
+
+def _below(hashes: np.ndarray, limit: int) -> np.ndarray:
+  return hashes < limit if limit < 2**64 else np.ones(hashes.shape, bool)
+
+
+def work(index: int, unit: dict, out: str, spec: str, field: str, limit: float,
          dtype: str) -> dict:
-  """Tokenizes one unit into ``out/u-INDEX-{train,eval}.*``; returns its counts."""
+  """Tokenizes one unit into ``out/u-INDEX-{train,eval}.*``; returns its counts.
+
+  Documents whose hash (doc_hash) is below ``limit`` are held out.
+  """
   if spec not in _TOKENIZER:
     os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')  # one process per core already
     _TOKENIZER[spec] = tokenizer_lib.load(spec)
@@ -214,11 +260,13 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
   writers = {s: _UnitWriter(os.path.join(out, f'u-{index:05d}-{s}'), dtype, s == 'eval'
                             and not tok.byte_level) for s in data_lib.SPLITS}
   batches = {s: [] for s in data_lib.SPLITS}
+  hashes = {s: [] for s in data_lib.SPLITS}
   stats = {'documents': 0, 'empty': 0, 'bytes': unit['bytes']}
 
   def flush(split):
     ids, counts, lengths = data_lib.encode_documents(batches[split], tok)
-    batches[split] = []
+    doc_hashes = np.array(hashes[split], np.uint64)
+    batches[split], hashes[split] = [], []
     if ids.size and int(ids.max()) > np.iinfo(dtype).max:  # astype would wrap it
       raise ValueError(f'tokenizer {tok.name} gave token id {int(ids.max())}, more than the '
                        f'corpus dtype {dtype} holds (its vocab_size is {tok.vocab_size})')
@@ -227,7 +275,7 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
     nothing = int((lengths == 0).sum())
     stats['documents'] -= nothing
     stats['empty'] += nothing
-    writers[split].write(ids, counts, lengths[lengths > 0])
+    writers[split].write(ids, counts, lengths[lengths > 0], doc_hashes[lengths > 0])
 
   for doc in _documents(unit, field):
     # UTF-8 without what cannot be encoded (a lone surrogate a JSON escape can hold):
@@ -236,8 +284,10 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
     if not raw:
       stats['empty'] += 1
       continue
-    split = 'eval' if held_out(raw, fraction) else 'train'
+    digest = doc_hash(raw)
+    split = 'eval' if digest < limit else 'train'
     batches[split].append(raw)
+    hashes[split].append(digest)
     stats['documents'] += 1
     if len(batches[split]) == DOCS_PER_CALL:
       flush(split)
@@ -254,13 +304,16 @@ class _UnitWriter:
 
   def __init__(self, stem: str, dtype: str, counts: bool):
     self.stem, self.dtype, self.tokens, self.text_bytes = stem, dtype, 0, 0
-    self.files = {'bin': open(stem + '.bin', 'wb'), 'len': open(stem + '.len', 'wb')}
+    self.files = {'bin': open(stem + '.bin', 'wb'), 'len': open(stem + '.len', 'wb'),
+                  'hash': open(stem + '.hash', 'wb')}
     if counts:
       self.files['bytes'] = open(stem + '.bytes', 'wb')
 
-  def write(self, ids: np.ndarray, counts: np.ndarray, lengths: np.ndarray) -> None:
+  def write(self, ids: np.ndarray, counts: np.ndarray, lengths: np.ndarray,
+            hashes: np.ndarray) -> None:
     self.files['bin'].write(ids.astype(self.dtype).tobytes())
     self.files['len'].write(lengths.astype(np.int64).tobytes())
+    self.files['hash'].write(hashes.tobytes())  # each document's (hold_out_limit)
     if 'bytes' in self.files:
       self.files['bytes'].write(counts.astype(np.int32).tobytes())
     self.tokens += len(ids)
@@ -282,8 +335,9 @@ def _write_json(path: str, obj) -> None:
 # ---------------------------------------------------------------- the run
 
 def run_units(units: list[dict], files: list[str], work_dir: str, args,
-              dtype: str) -> list[dict]:
-  """Tokenizes the units not done yet in ``args.workers`` processes; returns every unit's counts."""
+              dtype: str, limit: int) -> list[dict]:
+  """Tokenizes the units not done yet in ``args.workers`` processes, holding out the
+  documents whose hash is below ``limit``; returns every unit's counts."""
   done = {}
   for i in range(len(units)):
     path = os.path.join(work_dir, f'u-{i:05d}.json')
@@ -296,7 +350,7 @@ def run_units(units: list[dict], files: list[str], work_dir: str, args,
     with concurrent.futures.ProcessPoolExecutor(
         min(args.workers, len(todo)), mp_context=multiprocessing.get_context('spawn')) as pool:
       futures = {pool.submit(work, i, units[i], work_dir, args.tokenizer, args.text_field,
-                             args.eval_fraction, dtype): i for i in todo}
+                             limit, dtype): i for i in todo}
       try:
         for future in concurrent.futures.as_completed(futures):
           done[futures[future]] = future.result()
@@ -405,6 +459,8 @@ def output_state(out: str, source: dict) -> str:
 def check_args(args) -> None:
   if not 0 <= args.eval_fraction <= 1:
     raise ValueError(f'--eval_fraction={args.eval_fraction} is not in [0, 1]')
+  if args.eval_tokens < 0:
+    raise ValueError(f'--eval_tokens={args.eval_tokens} must be at least 0')
   if args.workers < 1:
     raise ValueError(f'--workers={args.workers} must be at least 1')
   if not (math.isfinite(args.shard_size_mb) and args.shard_size_mb > 0):
@@ -432,7 +488,8 @@ def prepare(args) -> int:
   _write_json(os.path.join(work_dir, 'plan.json'), {'source': source})
   dtype = 'uint16' if tok.vocab_size <= 2**16 else 'uint32'
   try:
-    stats = run_units(units, files, work_dir, args, dtype)
+    stats = run_units(units, files, work_dir, args, dtype, fraction_limit(args.eval_fraction))
+    stats = _hold_out_tokens(units, files, work_dir, args, dtype, stats)
   except ValueError:  # bad input found while reading: leave nothing behind
     shutil.rmtree(work_dir if existed else args.output, ignore_errors=True)
     raise
@@ -445,6 +502,21 @@ def prepare(args) -> int:
   shutil.rmtree(work_dir, ignore_errors=True)
   _summary(args.output, splits, manifest['tokenizer'])
   return 0
+
+
+def _hold_out_tokens(units, files, work_dir, args, dtype, stats) -> list[dict]:
+  """Tokenizes again, with the limit raised, the units with documents --eval_tokens holds out."""
+  limit = hold_out_limit(work_dir, len(units), args.eval_fraction, args.eval_tokens)
+  redo = [i for i in range(len(units)) if _below(np.fromfile(
+      os.path.join(work_dir, f'u-{i:05d}-train.hash'), np.uint64), limit).any()]
+  if not redo:
+    return stats
+  held = sum(s['eval']['tokens'] for s in stats)
+  print(f'prepare: the held-out documents hold {held:,} tokens, fewer than --eval_tokens='
+        f'{args.eval_tokens:,}: holding out more, {len(redo)} piece(s) again', file=sys.stderr)
+  for i in redo:
+    os.remove(os.path.join(work_dir, f'u-{i:05d}.json'))
+  return run_units(units, files, work_dir, args, dtype, limit)
 
 
 def _digest(obj) -> str:
