@@ -210,3 +210,24 @@ def test_prefetcher_retries_a_step_whose_build_failed():
   assert got == [2], 'the retry waited on the stopped producer'
   assert ahead.get(3) == 3 and ahead.next_index == 4
   ahead.close()
+
+
+def test_a_byte_level_token_file_reports_bits_per_byte(tmp_path, capsys):
+  """A raw .bin of bytes and EOS (say, a byte-level prepared shard) is byte-level text."""
+  from tests.test_cli import DEFAULT, TINY  # pylint: disable=import-outside-toplevel
+  from trainer import train  # pylint: disable=import-outside-toplevel
+  text = b''.join(open(f, 'rb').read() for f in data.default_corpus_files()[:8])
+  tokens = np.frombuffer(text, np.uint8).astype(np.uint16)
+  tokens[::5000] = data.EOS_ID
+  tokens.tofile(tmp_path / 'bytes.bin')
+  c = data.load(config.Data(path=str(tmp_path / 'bytes.bin')), 264, 0)
+  assert c.byte_level and c.eos_id == data.EOS_ID and 'byte-level' in c.description
+  np.array([5, 300, 7], np.uint16).tofile(tmp_path / 'wide.bin')  # an id past the bytes' 257
+  assert not data.load(config.Data(path=str(tmp_path / 'wide.bin')), 512, 0).byte_level
+  run = tmp_path / 'run'
+  assert train.main(['--config', DEFAULT, '--workdir', str(run), *TINY, '--config.steps=1',
+                     f'--config.data.path={tmp_path / "bytes.bin"}', '--config.eval_every=0',
+                     '--config.checkpoint.every=0']) == 0
+  with open(run / 'metrics.jsonl') as f:
+    last = [r for r in map(json.loads, f) if 'eval_loss' in r][-1]
+  assert last['eval_bpb'] == pytest.approx(last['eval_loss'] / np.log(2), rel=0.05)

@@ -201,6 +201,17 @@ def test_quick_start_prepare_train_resume_evaluate(tmp_path, capsys):
   record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert record['step'] == 4 and record['tokens'] == 2 * 8 * 32
   assert record['eval_bpb'] == pytest.approx(last_eval['eval_bpb'], rel=1e-6)
+  fits = (data.open_prepared(out, 'eval')[1].num_tokens - 1) // (8 * 32)
+  assert evaluate.main(['--checkpoint', run, f'--config.eval_steps={fits + 50}']) == 0
+  printed = capsys.readouterr()  # more than the held-out split fills: as many as it does
+  record = json.loads(printed.out.strip().splitlines()[-1])
+  assert record['eval_steps'] == fits and record['tokens'] == fits * 8 * 32
+  assert f'{fits} batch(es) of batch_size=8 x seq_len=32: evaluating eval_steps={fits}, ' \
+         f'not {fits + 50}' in printed.err
+  assert train.main([*argv, f'--config.eval_steps={fits + 1}', '--workdir',
+                     str(tmp_path / 'other')]) == 2  # training names the fix
+  assert capsys.readouterr().err.strip().endswith(
+      f'needs {(fits + 1) * 8 * 32 + 1}: set --config.eval_steps={fits} (the most it fills)')
   assert evaluate.main(['--checkpoint', str(tmp_path / 'nowhere')]) == 2
   assert capsys.readouterr().err.strip() == (f'error: no such checkpoint path: '
                                              f'{tmp_path / "nowhere"}')
