@@ -150,11 +150,6 @@ def _arange(size: int) -> np.ndarray:
   return out
 
 
-def _rows(flat: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs, targets) of sequences stored back to back, as views."""
-  return flat[:-1].reshape(-1, seq_len), flat[1:].reshape(-1, seq_len)
-
-
 # ------------------------------------------------------------------ training
 
 def train_dataset(data: data_lib.Data, seed: int, batch_size: int, seq_len: int,
