@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from benchmarks import attention, collective_einsum, input as input_bench, moe, train_step
+from benchmarks import attention, collective_einsum, data_quality, input as input_bench, moe
+from benchmarks import train_step
 from trainer import runtime
 
 
@@ -23,12 +24,17 @@ from trainer import runtime
     (input_bench, ['--shapes', '0x256'], "--shapes '0x256' is not BATCHxSEQ_LEN"),
     (input_bench, ['--gib', '0'], '--gib 0 must be finite and at least'),
     (input_bench, ['--gib', 'nan'], '--gib nan must be finite'),
+    (data_quality, ['--mb', '0'], '--mb 0 must be finite and > 0'),
+    (data_quality, ['--max_doc_kb', '8'], '--max_doc_kb 8 is below --min_doc_kb 16'),
+    (data_quality, ['--steps', '0'], '--steps=0 must be at least 1'),
+    (data_quality, ['--seq_len', '2048'], '--seq_len=2048 is more than the model accepts'),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(module, args, expected, tmp_path, monkeypatch,
                                                capsys):
   monkeypatch.setattr(runtime, 'configure_host', lambda *a, **k: pytest.fail('JAX started'))
   monkeypatch.setattr(input_bench, 'measure', lambda *a: pytest.fail('measured'))
-  if module is input_bench:
+  monkeypatch.setattr(data_quality, 'measure', lambda *a: pytest.fail('measured'))
+  if module in (input_bench, data_quality):
     args = args + ['--workdir', str(tmp_path / 'work')]
   assert module.main(args) == 2
   out, err = capsys.readouterr()

@@ -20,7 +20,7 @@ def _corpus(root, letter, n):
   root.mkdir()
   (root / 'in.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
   assert prepare.main(['--input', str(root / 'in.jsonl'), '--output', str(root / 'out'),
-                       '--eval_fraction', '0.3', '--workers', '1']) == 0
+                       '--eval_fraction', '0.3', '--eval_tokens', '0', '--workers', '1']) == 0
   return str(root / 'out'), docs
 
 
@@ -58,9 +58,37 @@ def test_documents_are_shuffled_per_seed_and_epoch_each_read_once(corpora):
   np.testing.assert_array_equal(first, _epoch(pipeline.Packer(stream, 16, seed=0), 0))
   assert _texts(_epoch(packer, 1))[:-1] != whole  # each epoch its own order
   assert _texts(_epoch(pipeline.Packer(stream, 16, seed=1), 0))[:-1] != whole
-  batch = pipeline.train_dataset(_load(path), 0, 4, 16, np.arange(4))[0]  # sequences 0-3
-  np.testing.assert_array_equal(batch['inputs'].ravel(), first[:64])
-  np.testing.assert_array_equal(batch['targets'].ravel(), first[1:65])
+
+
+def test_rows_are_sequences_drawn_from_across_the_epoch(corpora):
+  """An epoch's steps read each of its packed sequences once, in a shuffled order: a batch
+  is not consecutive sequences (a long document would fill it, and the steps after it)."""
+  (path, _), _ = corpora
+  d = _load(path)
+  packer = pipeline.Packer(d.train[0], 16, seed=0)
+  n = packer.per_epoch
+  dataset = pipeline.train_dataset(d, 0, 4, 16, np.arange(4))
+  batches = [dataset[k] for k in range(2 * n // 4 + 1)]
+  rows = np.concatenate([b['inputs'] for b in batches])
+  targets = np.concatenate([b['targets'] for b in batches])
+  packed = [_epoch(packer, e) for e in (0, 1)]
+  places = [packer.place(i) for i in range(2 * n)]
+  for i, (epoch, seq) in enumerate(places):  # row i: the packed sequence place(i) says
+    assert epoch == i // n
+    np.testing.assert_array_equal(rows[i], packed[epoch][seq * 16:seq * 16 + 16])
+    np.testing.assert_array_equal(targets[i], packed[epoch][seq * 16 + 1:seq * 16 + 17])
+  order = [[seq for _, seq in places[e * n:(e + 1) * n]] for e in (0, 1)]
+  assert sorted(order[0]) == sorted(order[1]) == list(range(n))  # each sequence once an epoch
+  assert order[0] != order[1]  # each epoch its own order
+  old = packed[0][:4 * 16].reshape(4, 16)  # the old reader's first batch: sequences 0-3
+  assert not np.array_equal(rows[:4], old)
+  steps = np.reshape(order[0][:n - n % 4], (-1, 4))
+  assert (np.diff(steps, axis=1) == 1).mean() < 0.2  # the old reader's: 1.0
+  assert np.mean(np.ptp(steps, axis=1)) > n / 4  # a batch's rows spread over the epoch
+  again = pipeline.train_dataset(d, 0, 4, 16, np.arange(4))[3]['inputs']
+  np.testing.assert_array_equal(again, rows[12:16])  # a pure function of (seed, step)
+  other = pipeline.train_dataset(d, 1, 4, 16, np.arange(4))[3]['inputs']
+  assert not np.array_equal(other, rows[12:16])
 
 
 def test_packing_marks_every_document(corpora):
@@ -182,3 +210,24 @@ def test_prefetcher_retries_a_step_whose_build_failed():
   assert got == [2], 'the retry waited on the stopped producer'
   assert ahead.get(3) == 3 and ahead.next_index == 4
   ahead.close()
+
+
+def test_a_byte_level_token_file_reports_bits_per_byte(tmp_path, capsys):
+  """A raw .bin of bytes and EOS (say, a byte-level prepared shard) is byte-level text."""
+  from tests.test_cli import DEFAULT, TINY  # pylint: disable=import-outside-toplevel
+  from trainer import train  # pylint: disable=import-outside-toplevel
+  text = b''.join(open(f, 'rb').read() for f in data.default_corpus_files()[:8])
+  tokens = np.frombuffer(text, np.uint8).astype(np.uint16)
+  tokens[::5000] = data.EOS_ID
+  tokens.tofile(tmp_path / 'bytes.bin')
+  c = data.load(config.Data(path=str(tmp_path / 'bytes.bin')), 264, 0)
+  assert c.byte_level and c.eos_id == data.EOS_ID and 'byte-level' in c.description
+  np.array([5, 300, 7], np.uint16).tofile(tmp_path / 'wide.bin')  # an id past the bytes' 257
+  assert not data.load(config.Data(path=str(tmp_path / 'wide.bin')), 512, 0).byte_level
+  run = tmp_path / 'run'
+  assert train.main(['--config', DEFAULT, '--workdir', str(run), *TINY, '--config.steps=1',
+                     f'--config.data.path={tmp_path / "bytes.bin"}', '--config.eval_every=0',
+                     '--config.checkpoint.every=0']) == 0
+  with open(run / 'metrics.jsonl') as f:
+    last = [r for r in map(json.loads, f) if 'eval_loss' in r][-1]
+  assert last['eval_bpb'] == pytest.approx(last['eval_loss'] / np.log(2), rel=0.05)

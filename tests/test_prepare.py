@@ -47,7 +47,7 @@ def test_round_trip_tokens_documents_and_held_out_split(tmp_path, monkeypatch, c
   monkeypatch.setattr(prepare, 'UNIT_BYTES', 2000)  # several pieces of work, several shards
   assert _run('--input', tmp_path / 'in/*.jsonl', tmp_path / 'in/t*.txt',
               tmp_path / 'in/p.parquet', '--output', tmp_path / 'out',
-              '--eval_fraction', '0.2', '--shard_size_mb', '0.01') == 0
+              '--eval_fraction', '0.2', '--eval_tokens', '0', '--shard_size_mb', '0.01') == 0
   assert 'prepare: ' in capsys.readouterr().err  # progress
   manifest, train_split = data.open_prepared(str(tmp_path / 'out'), 'train')
   _, held = data.open_prepared(str(tmp_path / 'out'), 'eval')
@@ -60,6 +60,32 @@ def test_round_trip_tokens_documents_and_held_out_split(tmp_path, monkeypatch, c
   assert train_split.num_docs + held.num_docs == len(docs) == manifest['splits']['train'][
       'documents'] + manifest['splits']['eval']['documents']
   assert not os.path.exists(tmp_path / 'out' / prepare.WORK)
+
+
+@pytest.mark.parametrize('want', [5000, 10**9])
+def test_a_short_held_out_split_is_topped_up_to_eval_tokens(tmp_path, monkeypatch, capsys,
+                                                            want):
+  """A few documents by --eval_fraction hold too few tokens: the next ones by hash join them,
+  whole, until --eval_tokens (at most half the tokens, one document left to train on)."""
+  docs = _inputs(tmp_path / 'in')
+  monkeypatch.setattr(prepare, 'UNIT_BYTES', 3000)  # several pieces: some are done again
+  assert _run('--input', tmp_path / 'in/*.jsonl', tmp_path / 'in/t*.txt', '--output',
+              tmp_path / 'out', '--eval_fraction', '0.02', '--eval_tokens', want) == 0
+  assert 'holding out more' in capsys.readouterr().err
+  manifest, train_split = data.open_prepared(str(tmp_path / 'out'), 'train')
+  _, held = data.open_prepared(str(tmp_path / 'out'), 'eval')
+  docs = docs[:100]  # the JSONL and text inputs
+  tokens = {d: len(d.encode()) + 1 for d in docs}  # bytes and the EOS
+  by_hash = sorted(docs, key=lambda d: prepare.doc_hash(d.encode()))
+  held_docs, train_docs = _doc_tokens(held), _doc_tokens(train_split)
+  assert sorted(held_docs + train_docs) == sorted(docs)
+  assert set(held_docs) == set(by_hash[:len(held_docs)])  # the first ones by hash
+  assert set(held_docs) > {d for d in docs if prepare.held_out(d.encode(), 0.02)}
+  total, kept = sum(tokens.values()), sum(tokens[d] for d in held_docs)
+  enough = min(want, total // 2)
+  assert kept == held.num_tokens >= enough > kept - tokens[by_hash[len(held_docs) - 1]]
+  assert manifest['source']['eval_tokens'] == want
+  assert _doc_tokens(train_split) == [d for d in docs if d not in set(held_docs)]  # in order
 
 
 def test_rerun_is_a_no_op_and_an_interrupted_run_looks_unfinished(tmp_path, monkeypatch, capsys):
@@ -175,6 +201,17 @@ def test_quick_start_prepare_train_resume_evaluate(tmp_path, capsys):
   record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert record['step'] == 4 and record['tokens'] == 2 * 8 * 32
   assert record['eval_bpb'] == pytest.approx(last_eval['eval_bpb'], rel=1e-6)
+  fits = (data.open_prepared(out, 'eval')[1].num_tokens - 1) // (8 * 32)
+  assert evaluate.main(['--checkpoint', run, f'--config.eval_steps={fits + 50}']) == 0
+  printed = capsys.readouterr()  # more than the held-out split fills: as many as it does
+  record = json.loads(printed.out.strip().splitlines()[-1])
+  assert record['eval_steps'] == fits and record['tokens'] == fits * 8 * 32
+  assert f'{fits} batch(es) of batch_size=8 x seq_len=32: evaluating eval_steps={fits}, ' \
+         f'not {fits + 50}' in printed.err
+  assert train.main([*argv, f'--config.eval_steps={fits + 1}', '--workdir',
+                     str(tmp_path / 'other')]) == 2  # training names the fix
+  assert capsys.readouterr().err.strip().endswith(
+      f'needs {(fits + 1) * 8 * 32 + 1}: set --config.eval_steps={fits} (the most it fills)')
   assert evaluate.main(['--checkpoint', str(tmp_path / 'nowhere')]) == 2
   assert capsys.readouterr().err.strip() == (f'error: no such checkpoint path: '
                                              f'{tmp_path / "nowhere"}')

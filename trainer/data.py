@@ -9,7 +9,10 @@ Sources (``data.path``):
     the running interpreter (the ``*.py`` files directly in the directory of the
     ``os`` module, sorted by name, concatenated), as text;
   * a text file or glob: text, one document per file, tokenized at every start;
-  * ``.npy`` / ``.bin`` (raw ``data.bin_dtype``) arrays of token ids, memory-mapped;
+  * ``.npy`` / ``.bin`` (raw ``data.bin_dtype``) arrays of token ids, memory-mapped
+    (with ``data.tokenizer=''``, a model of the byte vocabulary and every id a byte
+    or EOS, below 257, such as a byte-level prepared corpus's shard: bytes, whose
+    evals report bits per byte);
   * ``'synthetic'``: uniformly random tokens (for benchmarks).
 
 Every source becomes :class:`Stream` s: documents in stored order, each
@@ -204,7 +207,7 @@ class Data:
   train: tuple[Stream, ...]   # the corpora of the mixture (one but for a mixture)
   weights: tuple[float, ...]  # each corpus's share of the training sequences
   eval: Stream                # the held-out documents the evals score
-  shuffled: bool              # prepared corpora: documents shuffled per epoch; else windows
+  shuffled: bool              # prepared: documents, then sequences, shuffled; else windows
   byte_level: bool            # tokens < BYTE_VOCAB are bytes (bits per byte without counts)
   eos_id: int | None
   description: str
@@ -248,8 +251,10 @@ def _load_in_memory(data_cfg: DataConfig, vocab_size: int, seed: int) -> Data:
     tokens = np.random.default_rng(seed).integers(0, vocab_size, size=1 << 22, dtype=np.int32)
     byte_level, eos, desc, lengths = False, None, 'synthetic random tokens', [1 << 22]
   elif path.endswith(('.npy', '.bin')):
-    tokens = _map_token_file(path, data_cfg.bin_dtype, vocab_size)
-    byte_level, eos, desc, lengths = False, None, f'token file {path}', [len(tokens)]
+    tokens, top = _map_token_file(path, data_cfg.bin_dtype, vocab_size)
+    byte_level = not spec and top < TOKENIZER_VOCAB <= vocab_size
+    eos, lengths = EOS_ID if byte_level else None, [len(tokens)]
+    desc = f'token file {path}' + (', byte-level (every id below 257)' if byte_level else '')
   else:
     files = glob_files(path, 'data.path=', '*.txt', f' that is not a prepared corpus (no '
                        f'{MANIFEST}: python -m trainer.prepare writes one)')
@@ -298,8 +303,9 @@ def _read_text(files: list[str], tok):
   return encode_documents(docs, tok)
 
 
-def _map_token_file(path: str, bin_dtype: str, vocab_size: int) -> np.ndarray:
-  """A ``.npy`` or raw ``.bin`` token array, memory-mapped (never read whole)."""
+def _map_token_file(path: str, bin_dtype: str, vocab_size: int) -> tuple[np.ndarray, int]:
+  """(a ``.npy`` or raw ``.bin`` token array, memory-mapped (never read whole), a bound
+  on its ids: the largest, where its dtype could hold one past the vocabulary)."""
   if not os.path.isfile(path):
     raise ValueError(f'data.path={path!r} ' + ('is not a file' if os.path.exists(path)
                                                 else 'does not exist'))
@@ -317,15 +323,17 @@ def _map_token_file(path: str, bin_dtype: str, vocab_size: int) -> np.ndarray:
   if not tokens.size:
     raise ValueError(f'corpus is empty: {path} has 0 tokens')
   signed = np.iinfo(tokens.dtype).min < 0  # padding such as -100 must not train as a token
-  if signed or np.iinfo(tokens.dtype).max >= vocab_size:  # a pass over the file, in chunks
+  top = int(np.iinfo(tokens.dtype).max)
+  if signed or top >= vocab_size:  # a pass over the file, in chunks
     chunks = [tokens[i:i + (1 << 24)] for i in range(0, tokens.size, 1 << 24)]
     low, top = zip(*((int(c.min()) if signed else 0, int(c.max())) for c in chunks))
     if min(low) < 0:
       raise ValueError(f'data.path={path!r} has token id {min(low)} < 0')
-    if max(top) >= vocab_size:
-      raise ValueError(f'data.path={path!r} has token id {max(top)} >= '
+    top = max(top)
+    if top >= vocab_size:
+      raise ValueError(f'data.path={path!r} has token id {top} >= '
                        f'model.vocab_size={vocab_size}')
-  return tokens
+  return tokens, top
 
 
 # ------------------------------------------------------------ prepared corpora
@@ -409,7 +417,7 @@ def _load_prepared(data_cfg: DataConfig, vocab_size: int) -> Data:
   desc = ', '.join(f'{p} ({s:.0%})' if len(paths) > 1 else p for p, s in zip(paths, shares))
   desc = f'prepared corpus {desc}, held-out: {eval_path}, tokenizer {first["name"]}'
   identity = {'sources': [m['fingerprint'] for m, _ in corpora], 'weights': list(shares),
-              'sampling': 'shuffled documents'}
+              'sampling': 'shuffled sequences'}
   return Data(tuple(s for _, s in corpora), shares, held, True, first['byte_level'],
               first['eos_id'], desc, identity)
 
@@ -485,9 +493,18 @@ def check_lengths(data: Data, seq_len: int, batch_size: int, eval_steps: int) ->
                        f'than seq_len+1={seq_len + 1}')
   need = eval_steps * batch_size * seq_len + 1
   if data.eval.num_tokens < need:
+    fits = eval_batches(data, batch_size, seq_len)
+    fix = (f'set --config.eval_steps={fits} (the most it fills)' if fits else
+           'hold out more (python -m trainer.prepare --eval_tokens, or data.eval_fraction), '
+           'or lower batch_size or seq_len')
     raise ValueError(f'held-out split has {data.eval.num_tokens} tokens; eval_steps='
                      f'{eval_steps} x batch_size={batch_size} x seq_len={seq_len} '
-                     f'needs {need}')
+                     f'needs {need}: {fix}')
+
+
+def eval_batches(data: Data, batch_size: int, seq_len: int) -> int:
+  """How many held-out batches of ``batch_size`` x ``seq_len`` the held-out split fills."""
+  return (data.eval.num_tokens - 1) // (batch_size * seq_len)
 
 
 # --------------------------------------------------- the gzip reference numbers

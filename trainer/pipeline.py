@@ -2,12 +2,16 @@
 
 Training batches come in one of two ways:
   * prepared corpora (``Data.shuffled``): each epoch puts a corpus's documents in
-    a new order, a permutation drawn from (seed, corpus, epoch), and cuts their
+    a new order, a permutation drawn from (seed, corpus, epoch), cuts their
     concatenation into sequences of ``seq_len`` + 1 tokens (inputs and the
-    targets one token on); sequence j of a corpus's stream is sequence
-    j mod n of epoch j div n, n = (tokens - 1) div seq_len. Grain's
-    ``MapDataset.mix`` interleaves the corpora of a mixture by weight. The
-    batch for step k holds sequences k * batch_size ... of the mixed stream;
+    targets one token on), n = (tokens - 1) div seq_len of them, and shuffles
+    those (another permutation of the same draw): sequence j of a corpus's
+    stream is sequence ``perm_e(j mod n)`` of epoch e = j div n. Grain's
+    ``MapDataset.mix`` interleaves the corpora of a mixture by weight. The batch
+    for step k holds sequences k * batch_size ... of the mixed stream: rows from
+    across the epoch, read together (one ``pread`` a piece of a document in a
+    row), so a long document does not fill a batch, nor the steps after it
+    (python -m benchmarks.data_quality);
   * the other sources: ``batch_size`` windows at random places of the token
     stream, drawn from (seed, k) with replacement (the batches ``make train``'s
     numbers were measured with).
@@ -45,7 +49,14 @@ EPOCHS_CACHED = 2  # document orders kept per corpus (prefetching may straddle a
 
 
 class Packer:
-  """One corpus's documents cut into sequences of ``seq_len`` + 1 tokens, epoch after epoch."""
+  """One corpus's documents cut into sequences of ``seq_len`` + 1 tokens, epoch after epoch.
+
+  Each epoch puts the documents in a new order and cuts their concatenation into
+  ``per_epoch`` sequences, which it shuffles: sequence j of the corpus's stream
+  is sequence ``place(j)`` of epoch j div ``per_epoch``. Both permutations are
+  drawn from (seed, corpus, epoch) and kept for ``EPOCHS_CACHED`` epochs (8 bytes
+  a document and 4 a sequence).
+  """
 
   def __init__(self, stream: data_lib.Stream, seq_len: int, seed: int | None, corpus: int = 0):
     self.stream, self.seq_len, self.seed, self.corpus = stream, seq_len, seed, corpus
@@ -54,55 +65,98 @@ class Packer:
 
   def order(self, epoch: int) -> tuple[np.ndarray | None, np.ndarray]:
     """(documents in epoch order, where each starts in it); stored order without a seed."""
+    return self._epoch(epoch)[:2]
+
+  def _epoch(self, epoch: int) -> tuple:
+    """order(epoch) and the epoch's order of its sequences (None: in order, unseeded)."""
     if self.seed is None:
-      return None, self.stream.bounds
+      return None, self.stream.bounds, None
     with self._lock:
       if epoch not in self._orders:
         rng = np.random.default_rng((self.seed, self.corpus, epoch))
         perm = rng.permutation(self.stream.num_docs)
         lengths = np.diff(self.stream.bounds)[perm]
-        self._orders[epoch] = perm, np.concatenate([[0], np.cumsum(lengths)])
+        sequences = rng.permutation(self.per_epoch).astype(
+            np.int32 if self.per_epoch < 2**31 else np.int64)
+        self._orders[epoch] = perm, np.concatenate([[0], np.cumsum(lengths)]), sequences
         for old in sorted(self._orders)[:-EPOCHS_CACHED]:
           del self._orders[old]
       return self._orders[epoch]
 
-  def runs(self, first_seq: int, count: int):
-    """(epoch, sequence in it, how many): sequences ``first_seq`` ... in contiguous runs."""
-    while count:
-      epoch, seq = divmod(first_seq, self.per_epoch)
-      n = min(count, self.per_epoch - seq)
-      yield epoch, seq, n
-      first_seq, count = first_seq + n, count - n
+  def place(self, index: int) -> tuple[int, int]:
+    """(epoch, sequence of it) that sequence ``index`` of the stream is; in order unseeded."""
+    epoch, seq = divmod(index, self.per_epoch)
+    sequences = self._epoch(epoch)[2]
+    return epoch, seq if sequences is None else int(sequences[seq])
+
+  def read_rows(self, indices: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences ``indices`` of the stream into the rows of ``out`` (``seq_len`` + 1 wide);
+    returns (row, offset in it) of each document beginning in them (offset 0 left out)."""
+    epochs, seqs = np.divmod(indices, self.per_epoch)
+
+    def read(epoch, rows, part):
+      perm, cum, sequences = self._epoch(int(epoch))
+      places = seqs[rows] if sequences is None else sequences[seqs[rows]]
+      return read_windows(self.stream, (perm, cum), places.astype(np.int64) * self.seq_len,
+                          part)
+    return _by_group(epochs, out, read)
 
   def read(self, epoch: int, seq: int, n: int) -> tuple[np.ndarray, list[int]]:
-    """Sequences ``seq`` ... ``seq + n - 1`` of ``epoch``, back to back (n * seq_len + 1
-    tokens: sequence i is [i * seq_len, (i + 1) * seq_len]), and where documents begin."""
+    """Sequences ``seq`` ... ``seq + n - 1`` of ``epoch`` as packed (unshuffled), back to
+    back (n * seq_len + 1 tokens: sequence i is [i * seq_len, (i + 1) * seq_len]), and
+    where documents begin."""
     tokens = np.empty(n * self.seq_len + 1, np.int32)
     begins = read_ordered(self.stream, self.order(epoch), seq * self.seq_len, tokens)
     return tokens, begins
 
 
 def read_ordered(stream: data_lib.Stream, order, start: int, tokens: np.ndarray) -> list[int]:
-  """Tokens ``start`` ... of the documents concatenated in ``order`` = (perm, where each
-  starts), into ``tokens``; returns where in ``tokens`` documents begin (0 left out)."""
+  """Tokens ``start`` ... of the documents concatenated in ``order`` into ``tokens``
+  (1-D); returns where in ``tokens`` documents begin (0 left out). See read_windows."""
+  return read_windows(stream, order, [start], tokens.reshape(1, -1))[1].tolist()
+
+
+def read_windows(stream: data_lib.Stream, order, starts, out: np.ndarray):
+  """Row i of ``out`` (2-D, contiguous): tokens ``starts[i]`` ... of the documents
+  concatenated in ``order`` = (perm, where each starts; perm None: stored order).
+
+  Returns (row, offset in it) of each document beginning inside a row (offset 0
+  left out). All rows' pieces (a piece: the part of one document in one row) are
+  found at once and read back to back in one ``Stream.gather``.
+  """
   perm, cum = order
-  stop = start + len(tokens)
-  first = int(np.searchsorted(cum, start, 'right')) - 1
-  last = int(np.searchsorted(cum, stop, 'left'))  # documents first ... last - 1 overlap
-  docs = np.arange(first, last) if perm is None else perm[first:last]
-  raw = tokens if tokens.dtype == stream.dtype else np.empty(len(tokens), stream.dtype)
-  sources, lengths, begins = [], [], []
-  for begin, end, source in zip(cum[first:last].tolist(), cum[first + 1:last + 1].tolist(),
-                                stream.bounds[docs].tolist()):
-    a, b = max(begin, start), min(end, stop)
-    sources.append(source + a - begin)
-    lengths.append(b - a)
-    if begin > start:
-      begins.append(begin - start)
-  stream.gather(sources, lengths, raw)
-  if raw is not tokens:
-    tokens[:] = raw
-  return begins
+  rows, width = out.shape
+  starts = np.asarray(starts, np.int64)
+  first = np.searchsorted(cum, starts, 'right') - 1
+  counts = np.searchsorted(cum, starts + width, 'left') - first  # documents in each row
+  row = np.repeat(np.arange(rows), counts)
+  doc = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts - first, counts)
+  begin, start = cum[doc], starts[row]
+  low, high = np.maximum(begin, start), np.minimum(cum[doc + 1], start + width)
+  sources = stream.bounds[doc if perm is None else perm[doc]] + (low - begin)
+  raw = out if out.dtype == stream.dtype else np.empty(out.shape, stream.dtype)
+  stream.gather(sources.tolist(), (high - low).tolist(), raw.reshape(-1))
+  if raw is not out:
+    out[:] = raw
+  inside = begin > start
+  return row[inside], (begin - start)[inside]
+
+
+def _by_group(keys: np.ndarray, out: np.ndarray, read) -> tuple[np.ndarray, np.ndarray]:
+  """Rows of ``out`` read a group (rows of one key) at a time: ``read(key, rows, part)``
+  fills ``part`` with those rows and returns (row in part, offset) as read_windows does."""
+  groups = np.unique(keys)
+  if len(groups) == 1:
+    return read(groups[0], np.arange(len(keys)), out)
+  found, offsets = [], []
+  for key in groups.tolist():
+    rows = np.flatnonzero(keys == key)
+    part = np.empty((len(rows), out.shape[1]), out.dtype)
+    got, offset = read(key, rows, part)
+    out[rows] = part
+    found.append(rows[got])
+    offsets.append(offset)
+  return np.concatenate(found), np.concatenate(offsets)
 
 
 def examples(inputs: np.ndarray, targets: np.ndarray, begins: list[int]) -> dict:
@@ -133,11 +187,6 @@ def _arange(size: int) -> np.ndarray:
   return out
 
 
-def _rows(flat: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs, targets) of sequences stored back to back, as views."""
-  return flat[:-1].reshape(-1, seq_len), flat[1:].reshape(-1, seq_len)
-
-
 # ------------------------------------------------------------------ training
 
 def train_dataset(data: data_lib.Data, seed: int, batch_size: int, seq_len: int,
@@ -155,12 +204,16 @@ def train_dataset(data: data_lib.Data, seed: int, batch_size: int, seq_len: int,
 def _window_rows(stream, seed, batch_size, seq_len, rows, step):
   """Random windows, drawn from (seed, step) with replacement."""
   rng = np.random.default_rng((seed, step))
-  offsets = rng.integers(0, stream.num_tokens - seq_len, size=batch_size)
-  tokens, begins = np.empty((len(rows), seq_len + 1), np.int32), []
-  for i, offset in enumerate(offsets[rows].tolist()):
-    found = read_ordered(stream, (None, stream.bounds), offset, tokens[i])
-    begins += [i * seq_len + b for b in found]
-  return examples(tokens[:, :-1], tokens[:, 1:], begins)
+  offsets = rng.integers(0, stream.num_tokens - seq_len, size=batch_size)[rows]
+  tokens = np.empty((len(rows), seq_len + 1), np.int32)
+  return _examples_of(tokens, read_windows(stream, (None, stream.bounds), offsets, tokens))
+
+
+def _examples_of(tokens: np.ndarray, begins: tuple[np.ndarray, np.ndarray]) -> dict:
+  """Packed examples of rows of ``seq_len`` + 1 tokens, documents beginning at (row, offset)."""
+  rows, offsets = begins
+  seq_len = tokens.shape[1] - 1
+  return examples(tokens[:, :-1], tokens[:, 1:], (rows * seq_len + offsets).tolist())
 
 
 def _mixture(packers: list[Packer], weights) -> grain.MapDataset | None:
@@ -177,29 +230,12 @@ def _tag(corpus: int, index: int) -> tuple[int, int]:
 
 
 def _packed_rows(packers, mixture, batch_size, rows, step):
-  """Each run of rows that holds consecutive sequences of one corpus is read at once."""
-  first = step * batch_size
-  picks = [(0, first + r) if mixture is None else mixture[first + r] for r in rows.tolist()]
-  seq_len = packers[0].seq_len
-  runs, i = [], 0
-  while i < len(picks):
-    corpus, seq = picks[i]
-    n = 1
-    while i + n < len(picks) and picks[i + n] == (corpus, seq + n):
-      n += 1
-    runs += [(packers[corpus],) + run for run in packers[corpus].runs(seq, n)]
-    i += n
-  if len(runs) == 1:  # the common case: the rows are views of one read
-    flat, begins = runs[0][0].read(*runs[0][1:])
-    return examples(*_rows(flat, seq_len), begins)
-  tokens, begins, row = np.empty((len(picks), seq_len + 1), np.int32), [], 0
-  for packer, epoch, seq, n in runs:
-    flat, found = packer.read(epoch, seq, n)
-    tokens[row:row + n, :-1] = flat[:-1].reshape(n, seq_len)
-    tokens[row:row + n, -1] = flat[seq_len::seq_len]
-    begins += [row * seq_len + b for b in found]
-    row += n
-  return examples(tokens[:, :-1], tokens[:, 1:], begins)
+  """Row r: sequence ``step * batch_size + r`` of the mixed stream, each shuffled apart."""
+  picks = np.array([(0, step * batch_size + r) if mixture is None else
+                    mixture[step * batch_size + r] for r in rows.tolist()], np.int64)
+  tokens = np.empty((len(picks), packers[0].seq_len + 1), np.int32)
+  return _examples_of(tokens, _by_group(picks[:, 0], tokens, lambda corpus, sel, part: packers[
+      corpus].read_rows(picks[sel, 1], part)))
 
 
 class TrainBatches:

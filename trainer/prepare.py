@@ -2,7 +2,8 @@ r"""Tokenizes a text corpus once into token shards that training reads lazily.
 
   python -m trainer.prepare --input 'corpus/*.jsonl' [more files or globs ...] \
       --output data/mycorpus [--tokenizer SPEC] [--text_field text] \
-      [--eval_fraction 0.01] [--workers N] [--shard_size_mb 512] [--errors strict]
+      [--eval_fraction 0.01] [--eval_tokens 131073] [--workers N] [--shard_size_mb 512]
+      [--errors strict]
 
 Inputs, by name: ``.jsonl`` / ``.ndjson`` (one JSON object per line, the text in
 ``--text_field``), ``.parquet`` (the ``--text_field`` column; needs the
@@ -13,6 +14,10 @@ followed by its end-of-document token, in ``--workers`` processes, with a
 progress line on stderr. A document goes to the held-out split when a hash of
 its text falls below ``--eval_fraction``: the split does not depend on the
 order of the inputs or the number of workers, and duplicates land together.
+Should those documents hold fewer than ``--eval_tokens`` tokens (a small corpus,
+or one of few long documents), the limit rises to the next documents by hash
+until they do (at most half the corpus's tokens; one document always trains):
+the pieces of work with such documents are tokenized again.
 
 Only regular files are read (a FIFO, a device or a socket is refused before it
 is opened). A tokenizer other than bytes reads UTF-8: a byte sequence that is
@@ -69,6 +74,7 @@ PIECE_BYTES = 4 << 20
 PIECE_CHARS = 1 << 18
 WORK = '.work'
 JSONL = ('.jsonl', '.ndjson')
+EVAL_TOKENS = 32 * 16 * 256 + 1  # evaluate --config.eval_steps=32 on the default config
 
 
 def parse_args(argv):
@@ -80,7 +86,11 @@ def parse_args(argv):
                  'file or directory (see trainer/tokenizer.py)')
   p.add_argument('--text_field', default='text', help='JSONL key / Parquet column of the text')
   p.add_argument('--eval_fraction', type=float, default=0.01,
-                 help='share of documents held out (default 0.01)')
+                 help='share of documents held out (default 0.01; 0: none)')
+  p.add_argument('--eval_tokens', type=int, default=EVAL_TOKENS,
+                 help='held out: at least this many tokens, in whole documents, when '
+                 '--eval_fraction > 0 (default %(default)s: 32 eval batches of the default '
+                 "config's 16 x 256 tokens; at most half the corpus's; 0: the fraction alone)")
   p.add_argument('--workers', type=int, default=os.cpu_count() or 1,
                  help='tokenizing processes (default: one per CPU)')
   p.add_argument('--shard_size_mb', type=float, default=512, help='token shard size (MiB)')
@@ -196,6 +206,7 @@ def fingerprint(files: list[str], args, tok) -> dict:
   # --errors=strict writes what replace does, or nothing: corpora before the flag match.
   return {'format': data_lib.FORMAT, 'inputs': inputs, 'tokenizer': tokenizer,
           'text_field': args.text_field, 'eval_fraction': args.eval_fraction,
+          'eval_tokens': args.eval_tokens,
           'unit_bytes': UNIT_BYTES, 'shard_size_mb': args.shard_size_mb,
           **({'errors': args.errors} if args.errors != 'strict' else {})}
 
@@ -257,13 +268,47 @@ class _LargeFile:
 
 
 def held_out(text: bytes, fraction: float) -> bool:
-  """Whether a document (its UTF-8 bytes) is held out: a hash of it below ``fraction``."""
-  return _below(hashlib.blake2b(text, digest_size=8), fraction)
+  """Whether a document (its UTF-8 bytes) is held out: a hash of it below ``fraction``
+  (before ``--eval_tokens`` raises the limit: hold_out_limit)."""
+  return doc_hash(text) < fraction_limit(fraction)
 
 
-def _below(digest, fraction: float) -> bool:
-  """Whether a document's blake2b ``digest`` (8 bytes) holds it out."""
-  return int.from_bytes(digest.digest(), 'little') < fraction * 2**64
+def doc_hash(text: bytes) -> int:
+  """A document's place in the hold-out order: a hash of its UTF-8 bytes in [0, 2**64)."""
+  return _digest_int(hashlib.blake2b(text, digest_size=8))
+
+
+def _digest_int(digest) -> int:
+  """A blake2b ``digest`` (8 bytes, whole or fed piece by piece) as doc_hash gives it."""
+  return int.from_bytes(digest.digest(), 'little')
+
+
+def fraction_limit(fraction: float) -> int:
+  """The hash limit that holds out ``fraction`` of the documents (hashes below it)."""
+  return math.ceil(fraction * 2**64)
+
+
+def hold_out_limit(work_dir: str, count: int, fraction: float, tokens: int) -> int:
+  """The hash limit of the held-out documents: ``fraction``'s, raised (documents by hash)
+  until they hold ``tokens`` tokens or half the corpus's; one document stays in training."""
+  base = fraction_limit(fraction)
+  if not (fraction and tokens):
+    return base
+  hashes, lengths = [], []
+  for i in range(count):
+    for split in data_lib.SPLITS:
+      stem = os.path.join(work_dir, f'u-{i:05d}-{split}')
+      hashes.append(np.fromfile(stem + '.hash', np.uint64))
+      lengths.append(np.fromfile(stem + '.len', np.int64))
+  hashes, lengths = np.concatenate(hashes), np.concatenate(lengths)
+  order = np.argsort(hashes, kind='stable')
+  hashes, total = hashes[order], np.cumsum(lengths[order])
+  first = min(int(np.searchsorted(total, min(tokens, total[-1] // 2))), len(hashes) - 2)
+  return base if first < 0 else max(base, int(hashes[first]) + 1)
+
+
+def _below(hashes: np.ndarray, limit: int) -> np.ndarray:
+  return hashes < limit if limit < 2**64 else np.ones(hashes.shape, bool)
 
 
 def _cut(text: str, limit: int) -> int:
@@ -317,7 +362,7 @@ def _file_texts(doc: _LargeFile, errors: str, stats: dict):
 
 
 def _payload(doc, where: str, tok, errors: str, stats: dict):
-  """(blake2b digest of the document's bytes, its size, what to tokenize or its pieces).
+  """(doc_hash of the document's bytes, its size, what to tokenize or its pieces).
 
   What to tokenize: the bytes (byte-level) or text of a document of at most
   ``_limit(tok)``; a generator of pieces of a larger one, each tokenized apart.
@@ -326,8 +371,8 @@ def _payload(doc, where: str, tok, errors: str, stats: dict):
   if isinstance(doc, _LargeFile):
     size = os.path.getsize(doc.path)
     if tok.byte_level:
-      return doc.digest(), size, (chunk for _, chunk in doc.chunks())
-    return doc.digest(), size, _text_pieces(_file_texts(doc, errors, stats), limit)
+      return _digest_int(doc.digest()), size, (chunk for _, chunk in doc.chunks())
+    return _digest_int(doc.digest()), size, _text_pieces(_file_texts(doc, errors, stats), limit)
   if isinstance(doc, bytes):  # a text file: hashed as it is, decoded for a tokenizer
     raw, text, replaced = doc, None, 0
     if not tok.byte_level:
@@ -336,7 +381,7 @@ def _payload(doc, where: str, tok, errors: str, stats: dict):
     raw, replaced = tokenizer_lib.encode_utf8(doc, where, errors)
     text = None if tok.byte_level else (raw.decode('utf-8') if replaced else doc)
   stats['replaced'] += replaced
-  digest = hashlib.blake2b(raw, digest_size=8)
+  digest = doc_hash(raw)
   if len(raw) <= limit:
     return digest, len(raw), raw if tok.byte_level else text
   if tok.byte_level:
@@ -349,9 +394,12 @@ def _limit(tok) -> int:
   return PIECE_BYTES if tok.byte_level else PIECE_CHARS
 
 
-def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: float,
+def work(index: int, unit: dict, out: str, spec: str, field: str, limit: int,
          dtype: str, errors: str = 'strict') -> dict:
-  """Tokenizes one unit into ``out/u-INDEX-{train,eval}.*``; returns its counts."""
+  """Tokenizes one unit into ``out/u-INDEX-{train,eval}.*``; returns its counts.
+
+  Documents whose hash (doc_hash) is below ``limit`` are held out.
+  """
   if spec not in _TOKENIZER:
     os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')  # one process per core already
     _TOKENIZER[spec] = tokenizer_lib.load(spec)
@@ -360,34 +408,37 @@ def work(index: int, unit: dict, out: str, spec: str, field: str, fraction: floa
                             and not tok.byte_level, tok) for s in data_lib.SPLITS}
   batches = {s: [] for s in data_lib.SPLITS}
   sizes = dict.fromkeys(data_lib.SPLITS, 0)
+  hashes = {s: [] for s in data_lib.SPLITS}
   stats = {'documents': 0, 'empty': 0, 'bytes': unit['bytes'], 'replaced': 0}
 
   def flush(split):
     ids, counts, lengths = data_lib.encode_documents(batches[split], tok)
-    batches[split], sizes[split] = [], 0
+    doc_hashes = np.array(hashes[split], np.uint64)
+    batches[split], hashes[split], sizes[split] = [], [], 0
     # Without an end-of-document token, a document can tokenize to nothing (blank text):
     # it has no place in the index (bounds_of), so it is skipped like an empty one.
     nothing = int((lengths == 0).sum())
     stats['documents'] -= nothing
     stats['empty'] += nothing
-    writers[split].write(ids, counts, lengths[lengths > 0])
+    writers[split].write(ids, counts, lengths[lengths > 0], doc_hashes[lengths > 0])
 
   for where, doc in _documents(unit, field, _limit(tok), errors, stats):
     if not doc:
       stats['empty'] += 1
       continue
     digest, size, payload = _payload(doc, where, tok, errors, stats)
-    split = 'eval' if _below(digest, fraction) else 'train'
+    split = 'eval' if digest < limit else 'train'
     stats['documents'] += 1
     if isinstance(payload, (bytes, str)):
       batches[split].append(payload)
+      hashes[split].append(digest)
       sizes[split] += size
       if len(batches[split]) == DOCS_PER_CALL or sizes[split] >= _limit(tok):
         flush(split)
       continue
     if batches[split]:
       flush(split)  # the documents before it, first
-    if not writers[split].write_pieces(payload):
+    if not writers[split].write_pieces(payload, digest):
       stats['documents'] -= 1
       stats['empty'] += 1
   for split, writer in writers.items():
@@ -403,30 +454,35 @@ class _UnitWriter:
 
   def __init__(self, stem: str, dtype: str, counts: bool, tok):
     self.stem, self.dtype, self.tok, self.tokens, self.text_bytes = stem, dtype, tok, 0, 0
-    self.files = {'bin': open(stem + '.bin', 'wb'), 'len': open(stem + '.len', 'wb')}
+    self.files = {'bin': open(stem + '.bin', 'wb'), 'len': open(stem + '.len', 'wb'),
+                  'hash': open(stem + '.hash', 'wb')}
     if counts:
       self.files['bytes'] = open(stem + '.bytes', 'wb')
 
-  def write_pieces(self, pieces) -> int:
-    """Writes one document tokenized piece by piece, then its end; returns its length."""
+  def write_pieces(self, pieces, doc_hash: int) -> int:
+    """Writes one document (its hash ``doc_hash``) tokenized piece by piece, then its end;
+    returns its length."""
     length = 0
     for piece in pieces:
       (ids, counts), = self.tok.encode_documents([piece])
-      self.write(ids, counts, np.zeros(0, np.int64))
+      self.write(ids, counts, np.zeros(0, np.int64), np.zeros(0, np.uint64))
       length += len(ids)
     eos = [] if self.tok.eos_id is None else [self.tok.eos_id]
     length += len(eos)
     self.write(np.array(eos, np.int32), np.full(len(eos), -1, np.int32),
-               np.array([length] if length else [], np.int64))
+               np.array([length] if length else [], np.int64),
+               np.array([doc_hash] if length else [], np.uint64))
     return length
 
-  def write(self, ids: np.ndarray, counts: np.ndarray, lengths: np.ndarray) -> None:
+  def write(self, ids: np.ndarray, counts: np.ndarray, lengths: np.ndarray,
+            hashes: np.ndarray) -> None:
     if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:  # astype would wrap it
       raise ValueError(f'tokenizer {self.tok.name} gave token id {int(ids.max())}, more than '
                        f'the corpus dtype {self.dtype} holds (its vocab_size is '
                        f'{self.tok.vocab_size})')
     self.files['bin'].write(ids.astype(self.dtype).tobytes())
     self.files['len'].write(lengths.astype(np.int64).tobytes())
+    self.files['hash'].write(hashes.tobytes())  # each document's (hold_out_limit)
     if 'bytes' in self.files:
       self.files['bytes'].write(counts.astype(np.int32).tobytes())
     self.tokens += len(ids)
@@ -448,8 +504,9 @@ def _write_json(path: str, obj) -> None:
 # ---------------------------------------------------------------- the run
 
 def run_units(units: list[dict], files: list[str], work_dir: str, args,
-              dtype: str) -> list[dict]:
-  """Tokenizes the units not done yet in ``args.workers`` processes; returns every unit's counts."""
+              dtype: str, limit: int) -> list[dict]:
+  """Tokenizes the units not done yet in ``args.workers`` processes, holding out the
+  documents whose hash is below ``limit``; returns every unit's counts."""
   done = {}
   for i in range(len(units)):
     path = os.path.join(work_dir, f'u-{i:05d}.json')
@@ -462,7 +519,7 @@ def run_units(units: list[dict], files: list[str], work_dir: str, args,
     with concurrent.futures.ProcessPoolExecutor(
         min(args.workers, len(todo)), mp_context=multiprocessing.get_context('spawn')) as pool:
       futures = {pool.submit(work, i, units[i], work_dir, args.tokenizer, args.text_field,
-                             args.eval_fraction, dtype, args.errors): i for i in todo}
+                             limit, dtype, args.errors): i for i in todo}
       try:
         for future in concurrent.futures.as_completed(futures):
           done[futures[future]] = future.result()
@@ -571,6 +628,8 @@ def output_state(out: str, source: dict) -> str:
 def check_args(args) -> None:
   if not 0 <= args.eval_fraction <= 1:
     raise ValueError(f'--eval_fraction={args.eval_fraction} is not in [0, 1]')
+  if args.eval_tokens < 0:
+    raise ValueError(f'--eval_tokens={args.eval_tokens} must be at least 0')
   if args.workers < 1:
     raise ValueError(f'--workers={args.workers} must be at least 1')
   if not (math.isfinite(args.shard_size_mb) and args.shard_size_mb > 0):
@@ -599,7 +658,8 @@ def prepare(args) -> int:
   _write_json(os.path.join(work_dir, 'plan.json'), {'source': source})
   dtype = 'uint16' if tok.vocab_size <= 2**16 else 'uint32'
   try:
-    stats = run_units(units, files, work_dir, args, dtype)
+    stats = run_units(units, files, work_dir, args, dtype, fraction_limit(args.eval_fraction))
+    stats = _hold_out_tokens(units, files, work_dir, args, dtype, stats)
   except ValueError:  # bad input found while reading: leave nothing behind
     shutil.rmtree(work_dir if existed else args.output, ignore_errors=True)
     raise
@@ -616,6 +676,21 @@ def prepare(args) -> int:
     print(f'--errors=replace: replaced {manifest["replaced"]:,} undecodable byte sequence(s) '
           'by U+FFFD and unencodable character(s) by ? (in corpus.json: replaced)')
   return 0
+
+
+def _hold_out_tokens(units, files, work_dir, args, dtype, stats) -> list[dict]:
+  """Tokenizes again, with the limit raised, the units with documents --eval_tokens holds out."""
+  limit = hold_out_limit(work_dir, len(units), args.eval_fraction, args.eval_tokens)
+  redo = [i for i in range(len(units)) if _below(np.fromfile(
+      os.path.join(work_dir, f'u-{i:05d}-train.hash'), np.uint64), limit).any()]
+  if not redo:
+    return stats
+  held = sum(s['eval']['tokens'] for s in stats)
+  print(f'prepare: the held-out documents hold {held:,} tokens, fewer than --eval_tokens='
+        f'{args.eval_tokens:,}: holding out more, {len(redo)} piece(s) again', file=sys.stderr)
+  for i in redo:
+    os.remove(os.path.join(work_dir, f'u-{i:05d}.json'))
+  return run_units(units, files, work_dir, args, dtype, limit)
 
 
 def _digest(obj) -> str:
