@@ -10,7 +10,9 @@ documents, or ``eval_steps`` for more of them. The evaluation is the one
 training runs (trainer/loop.py): ``eval_steps`` batches of ``batch_size`` x
 ``seq_len`` held-out tokens, the same each time, on the run's mesh. Prints one
 JSON line: checkpoint, step, tokens scored, ``eval_loss`` (nats per token) and
-``eval_bpb`` (bits per UTF-8 byte of text). Bad input exits 2 with one line;
+``eval_bpb`` (bits per UTF-8 byte of text), and on byte-level data ``gzip_bpb``
+and ``xz_bpb``, the reference compressors' on the same bytes
+(trainer/compression.py). Bad input exits 2 with one line;
 nothing is written.
 """
 
@@ -61,7 +63,8 @@ def main(argv=None) -> int:
   step = checkpoint.resolve(args.checkpoint)[1]
   print(json.dumps({'checkpoint': args.checkpoint, 'step': step,
                     'tokens': cfg.eval_steps * cfg.batch_size * cfg.seq_len,
-                    'held_out': cfg.data.eval_path or cfg.data.path, **record}))
+                    'held_out': cfg.data.eval_path or cfg.data.path, **record,
+                    **s.eval_reference}))
   return 0
 
 
