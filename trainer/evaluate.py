@@ -12,8 +12,7 @@ training runs (trainer/loop.py): ``eval_steps`` batches of ``batch_size`` x
 JSON line: checkpoint, step, tokens scored, ``eval_loss`` (nats per token) and
 ``eval_bpb`` (bits per UTF-8 byte of text), and on byte-level data ``gzip_bpb``
 and ``xz_bpb``, the reference compressors' on the same bytes
-(trainer/compression.py). Bad input exits 2 with one line;
-nothing is written.
+(trainer/compression.py). Bad input exits 2 with one line; nothing is written.
 """
 
 from __future__ import annotations
