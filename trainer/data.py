@@ -48,7 +48,6 @@ import argparse
 import bisect
 import dataclasses
 import glob
-import gzip
 import hashlib
 import json
 import math
@@ -57,7 +56,8 @@ import weakref
 
 import numpy as np
 
-from trainer import config as config_lib, files as files_lib, tokenizer as tokenizer_lib
+from trainer import compression, config as config_lib, files as files_lib
+from trainer import tokenizer as tokenizer_lib
 from trainer.config import Data as DataConfig
 
 BYTE_VOCAB = tokenizer_lib.BYTE_VOCAB
@@ -507,35 +507,27 @@ def eval_batches(data: Data, batch_size: int, seq_len: int) -> int:
   return (data.eval.num_tokens - 1) // (batch_size * seq_len)
 
 
-# --------------------------------------------------- the gzip reference numbers
-
-def gzip_bits_per_byte(data: bytes) -> float:
-  """Reference compressor: ``gzip -9`` size of ``data`` in bits per byte."""
-  return 8 * len(gzip.compress(data, compresslevel=9)) / max(len(data), 1)
-
-
-def held_out_bytes(tokens: np.ndarray) -> bytes:
-  """Byte-level tokens as text (documents separated by newlines)."""
-  return bytes(np.where(tokens == EOS_ID, ord('\n'), tokens).astype(np.uint8))
-
-
 def main(argv=None) -> None:
-  """``python -m trainer.data``: the embedded corpus and its gzip -9 baseline."""
+  """``python -m trainer.data``: the embedded corpus and its reference compressors."""
   argparse.ArgumentParser(
       prog='python -m trainer.data',
       description='The default corpus of configs/default.py: its size, split, and the bits per '
-                  'byte gzip -9 reaches on its held-out text (the reference for make train).'
+                  'byte gzip -9 and xz -9e reach on its held-out text (the references make '
+                  'train prints beside each eval).'
   ).parse_args(argv)
   cfg = config_lib.load(os.path.join(os.path.dirname(__file__), '..', 'configs', 'default.py'))
   data = load(cfg.data, cfg.model.vocab_size, cfg.seed)
   held = data.eval.tokens()
   n_eval = cfg.eval_steps * cfg.batch_size * cfg.seq_len
+  whole = compression.scored_bytes(held)
+  scored = compression.held_out_bytes(data.eval, n_eval)
   print(data.description)
   print(f'train tokens {data.train_tokens:,}  held-out tokens {len(held):,}')
-  print(f'gzip -9, whole held-out text ({math.ceil(len(held) / 1024)} KiB): '
-        f'{gzip_bits_per_byte(held_out_bytes(held)):.3f} bits per byte')
-  print(f'gzip -9, the {n_eval:,} held-out tokens the default eval scores: '
-        f'{gzip_bits_per_byte(held_out_bytes(held[:n_eval])):.3f} bits per byte')
+  for key, (name, _) in compression.COMPRESSORS.items():
+    print(f'{name}, whole held-out text ({math.ceil(len(whole) / 1024)} KiB): '
+          f'{compression.bits_per_byte(whole, key):.3f} bits per byte')
+    print(f'{name}, the {len(scored):,} held-out bytes the default eval scores: '
+          f'{compression.bits_per_byte(scored, key):.3f} bits per byte')
 
 
 if __name__ == '__main__':

@@ -12,7 +12,9 @@ training runs (trainer/loop.py): ``eval_steps`` batches of ``batch_size`` x
 held-out split fills fewer batches than ``eval_steps`` asks, as many as it fills
 (a note on stderr says so). Prints one JSON line: checkpoint, step, eval_steps,
 tokens scored, ``eval_loss`` (nats per token) and ``eval_bpb`` (bits per UTF-8
-byte of text). Bad input exits 2 with one line; nothing is written.
+byte of text), and on byte-level data ``gzip_bpb`` and ``xz_bpb``, the reference
+compressors' on the same bytes (trainer/compression.py). Bad input exits 2 with
+one line; nothing is written.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
   step = checkpoint.resolve(args.checkpoint)[1]
   print(json.dumps({'checkpoint': args.checkpoint, 'step': step, 'eval_steps': cfg.eval_steps,
                     'tokens': cfg.eval_steps * cfg.batch_size * cfg.seq_len,
-                    'held_out': cfg.data.eval_path or cfg.data.path, **record}))
+                    'held_out': cfg.data.eval_path or cfg.data.path, **record,
+                    **s.eval_reference}))
   return 0
 
 

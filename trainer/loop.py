@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 
 from models.transformer import count_params
 from parallelism import hardware, mesh as mesh_lib, report, sharding
-from trainer import checkpoint, data, metrics as metrics_lib, optim, pipeline, profiling, runtime
-from trainer import tokenizer as tokenizer_lib
+from trainer import checkpoint, compression, data, metrics as metrics_lib, optim, pipeline
+from trainer import profiling, runtime, tokenizer as tokenizer_lib
 from trainer.config import Config
 from trainer.state import AbstractModel, with_shardings
 from trainer.step import TrainState, make_eval_step, make_train_step
@@ -89,6 +89,8 @@ class Setup:
   ops: sharding.ShardedOps
   graphdef: Any
   abstract_params: Any
+  # gzip_bpb, xz_bpb: reference compressors on the bytes the evals score (byte-level data)
+  eval_reference: dict = dataclasses.field(default_factory=dict)
 
 
 def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
@@ -101,8 +103,9 @@ def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
     get_batch.seek(checkpointer.data_position(start_step))
   eval_step = jax.jit(make_eval_step(
       p.graphdef, data.BYTE_VOCAB if run.corpus.byte_level else None))
+  reference = compression.reference(run.corpus, cfg.batch_size, cfg.seq_len, cfg.eval_steps)
   return Setup(state, start_step, p.train_step, eval_step, get_batch, eval_batches,
-               p.schedule, p.ops, p.graphdef, p.abstract_params)
+               p.schedule, p.ops, p.graphdef, p.abstract_params, reference)
 
 
 def _initial_state(run, checkpointer, p: Program):
@@ -206,7 +209,8 @@ def _loop(run, s: Setup, train_step, ckpt, policy, stops, flops, log, clock, beg
       tracer.after(step)
       clock.lap('other')
       if evaluate:
-        eval_record = _evaluate(s.eval_step, state.params, s.eval_batches)
+        eval_record = {**_evaluate(s.eval_step, state.params, s.eval_batches),
+                       **s.eval_reference}
         clock.lap('eval')
         writer.write(done, eval_record)
       if save:

@@ -37,6 +37,7 @@ import jax
 from tensorboardX import SummaryWriter
 
 from models.transformer import TransformerConfig
+from trainer import compression
 
 
 def matmul_params(cfg: TransformerConfig) -> int:
@@ -242,6 +243,7 @@ class MetricsWriter:
       self._print(_summary_line(record), final=True)
     elif 'eval_loss' in record:
       bpb = f" eval_bpb {record['eval_bpb']:.3f}" if 'eval_bpb' in record else ''
+      bpb += compression.describe(record)  # gzip's and xz's on the same bytes, if any
       self._print(f"step {step:6d} | eval_loss {record['eval_loss']:.4f}{bpb} "
                   f"| {record.get('eval_s', 0):.1f}s", final=True)
     else:
