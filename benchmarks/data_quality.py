@@ -50,7 +50,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.input import remove_made
+from benchmarks.input import TooSmall, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
@@ -120,10 +120,6 @@ def build_corpus(args) -> dict:
           'train_tokens': manifest['splits']['train']['tokens'],
           'held_out_tokens': manifest['splits']['eval']['tokens'],
           'held_out_documents': manifest['splits']['eval']['documents']}
-
-
-class TooSmall(Exception):
-  """Fewer documents on this machine than the arguments ask for: bad input, exit status 2."""
 
 
 @contextlib.contextmanager
@@ -281,24 +277,7 @@ def main(argv=None) -> int:
   parser.add_argument('--json', action='store_true')
   parser.add_argument('--keep', action='store_true', help='keep the corpus and runs in --workdir')
   args = parser.parse_args(argv)
-  error = check(args)
-  if error:
-    print(f'error: {error}', file=sys.stderr)
-    return 2
-  sys.path.insert(0, ROOT)
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  before = set(os.listdir(args.workdir)) if os.path.isdir(args.workdir) else None
-  try:
-    out = measure(args)
-  except TooSmall as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  finally:
-    if not args.keep:
-      remove_made(args.workdir, before)
-  print(json.dumps(out, indent=1) if args.json else report(out))
-  return 0
-
+  return run(args, check, measure, report)
 
 if __name__ == '__main__':
   sys.exit(main())

@@ -60,7 +60,8 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
 
 
 class TooSmall(Exception):
-  """The large corpus holds less than one batch of a shape: bad input, exit status 2."""
+  """The arguments ask for more than the corpus gives (here: less than one batch of a
+  shape): bad input, exit status 2."""
 
 
 def write_text(directory: str, total: int) -> None:
@@ -266,6 +267,13 @@ def main(argv=None) -> int:
   parser.add_argument('--json', action='store_true')
   parser.add_argument('--keep', action='store_true', help='keep the corpora in --workdir')
   args = parser.parse_args(argv)
+  return run(args, check, measure, report)
+
+
+def run(args, check, measure, report) -> int:
+  """What the corpus benchmarks share after parsing ``args``: ``check`` them (one line,
+  exit 2), ``measure`` in ``args.workdir`` (removing what it made there unless
+  ``args.keep``), print ``report`` of it or its JSON (``args.json``)."""
   error = check(args)
   if error:
     print(f'error: {error}', file=sys.stderr)
@@ -283,7 +291,6 @@ def main(argv=None) -> int:
       remove_made(args.workdir, before)
   print(json.dumps(out, indent=1) if args.json else report(out))
   return 0
-
 
 if __name__ == '__main__':
   sys.exit(main())

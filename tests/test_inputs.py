@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from tests import test_prepare
 from tests.conftest import ROOT
 from trainer import config, convert, data, generate, prepare, tokenizer, train, validation
 
@@ -87,15 +88,8 @@ def test_hf_import_refuses_a_fifo_and_a_link_out_of_hf_dir(tmp_path, fifo, capsy
 # ------------------------------------------------------------ text a tokenizer reads
 
 def _word_tokenizer(directory):
-  """A word-level tokenizer.json: [UNK] 0, [END] 1 (its end of document), w0.. w299."""
-  from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
-  vocab = {'[UNK]': 0, '[END]': 1, **{f'w{i}': i + 2 for i in range(298)}}
-  tok = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  directory.mkdir()
-  tok.save(str(directory / 'tokenizer.json'))
-  (directory / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '[END]'}))
-  return str(directory / 'tokenizer.json')
+  """A word-level tokenizer.json: [UNK] 0, [END] 1 (its end of document), w0.. w297."""
+  return test_prepare._word_tokenizer(directory, 300, 'w')  # pylint: disable=protected-access
 
 
 def test_undecodable_text_is_refused_or_replaced_and_counted(tmp_path, capsys):

@@ -113,11 +113,12 @@ def test_rerun_is_a_no_op_and_an_interrupted_run_looks_unfinished(tmp_path, monk
   assert 'holds a corpus prepared from other input' in capsys.readouterr().err
 
 
-def _word_tokenizer(directory, size):
-  """A word-level tokenizer.json with ``size`` tokens, '[END]' ending documents."""
+def _word_tokenizer(directory, size, word='doc'):
+  """A word-level tokenizer.json with ``size`` tokens: [UNK] 0, [END] 1 (ending documents),
+  then ``word`` 0, 1, ..."""
   from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
   vocab = {'[UNK]': 0, '[END]': 1, **{w: i + 2 for i, w in enumerate(
-      [f'doc{i}' for i in range(size - 2)])}}
+      [f'{word}{i}' for i in range(size - 2)])}}
   tok = Tokenizer(models.WordLevel(vocab, unk_token='[UNK]'))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
   directory.mkdir()
