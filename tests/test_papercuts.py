@@ -81,7 +81,7 @@ def test_a_resume_on_other_data_is_refused_naming_the_paths_as_set(stopped_run, 
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1, err
   assert (f"has checkpoints of another run (data.path: '' in the checkpoint, {corpus!r} now; "
-          "data sampling: 'windows' in the checkpoint, 'shuffled documents' now)") in err, err
+          "data sampling: 'windows' in the checkpoint, 'shuffled sequences' now)") in err, err
   assert 'None' not in err
 
 
