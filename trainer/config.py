@@ -24,7 +24,6 @@ import importlib.util
 import inspect
 import json
 import os
-import sys
 import textwrap
 import typing
 from typing import Any, Sequence
