@@ -487,7 +487,70 @@ def results_summary(aot: dict) -> list[str]:
            '([docs/calibration.md](calibration.md)).', '']
   lines += _table(['config', 'slice', 'mesh', 'modeled MFU: baseline / xla / ours',
                    'ours / baseline', 'ours / xla', 'ours compute / baseline compute'], rows)
-  return lines + [''] + _summary_targets(aot) + ['', SUMMARY_END]
+  return lines + [''] + render_band(aot) + _summary_targets(aot) + ['', SUMMARY_END]
+
+
+# Issue 64's targets, on the band: (name, ours / the faster comparator at the band's
+# minimum, at its median), ours' MFU at the median, and over the four paper configs.
+BAND_TARGETS = {'dense_500b': (1.10, 1.14, 0.72), 'median_three_of_four': 1.14,
+                'min_all': 1.0}
+
+
+def _band(b: dict, digits: int = 3, percent: bool = False) -> str:
+  fmt = '.1%' if percent else f'.{digits}f'
+  return ' / '.join(format(b[k], fmt) for k in ('min', 'median', 'max'))
+
+
+def render_band(aot: dict) -> list[str]:
+  """Each config's ratios and ours' MFU as min / median / max over the model's plausible
+  settings (``step_model.band_chips``), and issue 64's targets read on them."""
+  rows, bands = [], {}
+  for name, s in aot.items():
+    ours = s['modeled'].get('ours', {}).get('band')
+    if not ours or 'speedup_vs_best' not in ours:
+      continue
+    bands[name] = ours
+    rows.append([name] + [_band(ours[k]) + 'x' if k in ours else '-' for k in (
+        'speedup_vs_baseline', 'speedup_vs_xla', 'speedup_vs_best')] + [
+        _band(ours['mfu'], percent=True)])
+  if not rows:
+    return ['Bands: none in these results (compiled before `launch.aot` modeled each '
+            'program over the model\'s plausible settings; rerun `python -m benchmarks.report`).',
+            '']
+  settings = '; '.join(f'`{k}` {" / ".join(map(str, v))}' for k, v in step_model.BAND.items())
+  lines = ['Every ratio as min / median / max over the step model\'s plausible settings '
+           f'({settings}: `step_model.band_chips`; each setting applied to both programs '
+           'of a ratio), modeled:', '']
+  lines += _table(['config', 'ours / baseline', 'ours / xla', 'ours / the faster of the two',
+                   'ours MFU'], rows)
+  return lines + [''] + _band_targets(bands) + ['']
+
+
+def _band_targets(bands: dict) -> list[str]:
+  met = lambda ok: 'met' if ok else 'not met'
+  name = 'dense_500b'
+  low, mid, mfu = BAND_TARGETS[name]
+  if name in bands:
+    best, median_mfu = bands[name]['speedup_vs_best'], bands[name]['mfu']['median']
+    ok = best['min'] >= low and best['median'] >= mid and median_mfu >= mfu
+    head = (f'- {name}: ours / the faster comparator >= {low}x at the minimum and >= {mid}x '
+            f'at the median, ours MFU >= {mfu:.0%} at the median: {met(ok)} '
+            f"({best['min']:.3f}x, {best['median']:.3f}x, {median_mfu:.1%})")
+  else:
+    head = f'- {name}: not measured'
+  paper = [n for n in PAPER_CONFIGS if n in bands]
+  three = BAND_TARGETS['median_three_of_four']
+  fast = [n for n in paper if bands[n]['speedup_vs_best']['median'] >= three]
+  floor = BAND_TARGETS['min_all']
+  below = [n for n in PAPER_CONFIGS if n not in paper or
+           bands[n]['speedup_vs_best']['min'] < floor]
+  medians = ', '.join(f"{n} {bands[n]['speedup_vs_best']['median']:.3f}x" for n in paper)
+  minima = ', '.join(f"{n} {bands[n]['speedup_vs_best']['min']:.3f}x" for n in paper)
+  return ['Targets on the band (issue 64; the four configs on v4; modeled):', '', head,
+          f'- ours >= {three}x the faster comparator at the median on three of four: '
+          f'{met(len(fast) >= 3)} ({medians})',
+          f'- ours >= {floor}x the faster comparator at the minimum on all four: '
+          f'{met(not below)} ({minima})']
 
 
 def _summary_targets(aot: dict) -> list[str]:

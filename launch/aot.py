@@ -58,6 +58,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +69,7 @@ from jax.experimental import topologies
 
 from launch import search
 from models.transformer import count_params
-from parallelism import cli, hardware, mesh as mesh_lib, report, sharding, step_model
+from parallelism import cli, hardware, hlo_text, mesh as mesh_lib, report, sharding, step_model
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
@@ -256,16 +257,34 @@ def worker(args, overrides) -> int:
   if cfg.hardware.peak_flops > 0:
     chip = dataclasses.replace(chip, peak_flops=cfg.hardware.peak_flops)
   out['coords'] = [tuple(d.coords) for d in mesh.devices.flat]  # by partition id
-  result = step_model.analyze(text, chip, out['coords'])
-  other = step_model.analyze(text, dataclasses.replace(chip, **step_model.ALTERNATIVE),
+  module = hlo_text.parse(text)
+  result = step_model.analyze(module, chip, out['coords'])
+  other = step_model.analyze(module, dataclasses.replace(chip, **step_model.ALTERNATIVE),
                              out['coords'])
   out['model'] = result.as_dict() | {'chip': dataclasses.asdict(chip), 'alternative': {
       'constants': step_model.ALTERNATIVE, 'step_seconds': other.step_seconds,
       'compute_seconds': other.compute_seconds,
-      'exposed_comm_seconds': other.exposed_comm_seconds}}
+      'exposed_comm_seconds': other.exposed_comm_seconds}, 'band': band(module, chip, out)}
   out['jax'] = jax.__version__
   _write(args.out, out)
   return 0
+
+
+def band(module, chip: step_model.Chip, out: dict) -> list[dict]:
+  """The program modeled under each of ``step_model.band_chips``: its setting and times."""
+  rows = []
+  for setting, c in step_model.band_chips(chip):
+    r = step_model.analyze(module, c, out['coords'])
+    rows.append({'setting': setting, 'step_seconds': r.step_seconds,
+                 'compute_seconds': r.compute_seconds,
+                 'exposed_comm_seconds': r.exposed_comm_seconds})
+  return rows
+
+
+def band_of(values) -> dict:
+  """min / median / max of ``values`` (a modeled quantity over the model's settings)."""
+  values = sorted(values)
+  return {'min': values[0], 'median': statistics.median(values), 'max': values[-1]}
 
 
 def memory(stats, usable: float) -> dict:
@@ -368,6 +387,11 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
         other = model['alternative']
         out['modeled'][name]['alternative'] = other | {
             'mfu': info['model_flops_per_step'] / (chips * peak * other['step_seconds'])}
+      if 'band' in model:  # the same program under step_model.band_chips
+        steps = [b['step_seconds'] for b in model['band']]
+        out['modeled'][name]['band'] = {
+            'settings': [b['setting'] for b in model['band']], 'step_seconds': steps,
+            'mfu': band_of(info['model_flops_per_step'] / (chips * peak * t) for t in steps)}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
   for name, m in out['modeled'].items():
@@ -375,9 +399,44 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
   if 'xla' in out['modeled'] and 'ours' in out['modeled']:
     out['modeled']['ours']['speedup_vs_xla'] = (out['modeled']['xla']['step_seconds']
                                                 / out['modeled']['ours']['step_seconds'])
+  ratio_bands(out['modeled'])
   main = 'ours' if 'ours' in out['variants'] else next(iter(out['variants']))
   out['fit'] = out['variants'][main]['memory']['fit']
   return out
+
+
+def ratio_bands(modeled: dict) -> None:
+  """Ours' speedups as bands: against the baseline, xla and the faster of the two, each
+  ratio taken under one setting of the model for both programs (``band``)."""
+  ours = modeled.get('ours', {}).get('band')
+  if not ours:
+    return
+  others = {n: modeled[n]['band'] for n in ('baseline', 'xla') if 'band' in modeled.get(n, {})}
+  for name, b in others.items():
+    if b['settings'] != ours['settings']:
+      raise ValueError(f'the {name} program was modeled under other settings than ours')
+  ratios = {n: [t / o for t, o in zip(b['step_seconds'], ours['step_seconds'])]
+            for n, b in others.items()}
+  for name, values in ratios.items():
+    ours[f'speedup_vs_{name}'] = band_of(values)
+  if ratios:
+    ours['speedup_vs_best'] = band_of(map(min, zip(*ratios.values())))
+
+
+def band_lines(modeled: dict) -> list[str]:
+  """The text report's bands: each variant's MFU and ours' speedups, min / median / max."""
+  fmt = lambda b, f: ' / '.join(format(b[k], f) for k in ('min', 'median', 'max'))
+  rows = [f'  {name} MFU {fmt(m["band"]["mfu"], ".1%")}' for name, m in modeled.items()
+          if 'mfu' in m.get('band', {})]
+  ours = modeled.get('ours', {}).get('band', {})
+  rows += [f'  ours / {over} {fmt(ours[key], ".3f")}' for over, key in (
+      ('baseline', 'speedup_vs_baseline'), ('xla', 'speedup_vs_xla'),
+      ('the faster of the two', 'speedup_vs_best')) if key in ours]
+  if not rows:
+    return []
+  settings = ', '.join(f'{k} {"/".join(map(str, v))}' for k, v in step_model.BAND.items())
+  return ['', f"modeled band, min / median / max over the model's plausible settings "
+              f'({settings}; step_model.band_chips):'] + rows
 
 
 def ring_terms(pairs: list[dict]) -> dict:
@@ -529,6 +588,7 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
                    f"{m['communication_seconds']:8.3f} "
                    f"{m['exposed_communication_seconds']:14.3f} {m['mfu']:11.1%} {speed:>15s}")
     lines.append('  (modeled speedup = baseline modeled step time / variant modeled step time)')
+    lines += band_lines(s['modeled'])
     lines += ['', 'modeled compute by term (s; ring: instructions of decomposed einsums):']
     lines += [f"  {name:{w}s} " + ', '.join(f'{term} {sec:.3f}' for term, sec in
                                          m.get('compute_terms', {}).items() if sec)

@@ -121,6 +121,14 @@ FITTED = ('matmul_efficiency', 'link_efficiency')  # the Chip fields they set
 # The calibration rows' other fit (the link efficiency alone), under which every modeled
 # claim is shown as well (benchmarks/report.py).
 ALTERNATIVE = {'matmul_efficiency': 1.0, 'link_efficiency': 0.66}
+# The model's plausible range: settings it cannot pin down from the calibration rows
+# (issue 64). Every modeled claim is also shown as min / median / max over ``band_chips``
+# (benchmarks/report.py): a collective-permute's fixed cost (launch and synchronization;
+# no public measurement, so 2 to 10 us), the links' achieved fraction of the data sheet
+# (0.66: the calibration's other fit; 1.0: this fit), and HBM's (0.85: a DMA engine's
+# transfers competing with compute for it; 1.0: the data sheet).
+BAND = {'step_latency': (2e-6, 5e-6, 10e-6), 'link_efficiency': (0.66, 0.8, 1.0),
+        'hbm_efficiency': (0.85, 1.0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,7 @@ class Chip:
   step_latency: float    # seconds per ring step
   matmul_efficiency: float = 1.0  # achieved / peak matmul rate
   link_efficiency: float = 1.0    # achieved / data-sheet link bandwidth
+  hbm_efficiency: float = 1.0     # achieved / data-sheet HBM bandwidth
 
   @classmethod
   def from_profile(cls, name: str, calibrated: bool = True) -> 'Chip':
@@ -152,6 +161,26 @@ class Chip:
   @property
   def link_rate(self) -> float:
     return self.link_bandwidth * self.link_efficiency
+
+  @property
+  def hbm_rate(self) -> float:
+    return self.hbm_bandwidth * self.hbm_efficiency
+
+
+def band_chips(chip: Chip) -> list[tuple[dict, Chip]]:
+  """``chip`` under the settings of ``BAND``: each setting's middle value, each setting
+  at its ends with the others in the middle, then every setting at its slow end and
+  every setting at its fast end (each distinct setting once). A ratio's band is its min / median / max
+  over them, each setting applied to both programs of the ratio."""
+  middle = {k: v[len(v) // 2] for k, v in BAND.items()}
+  settings = [middle]
+  for key, values in BAND.items():
+    settings += [middle | {key: values[0]}, middle | {key: values[-1]}]
+  slow = {k: (v[-1] if k == 'step_latency' else v[0]) for k, v in BAND.items()}
+  fast = {k: (v[0] if k == 'step_latency' else v[-1]) for k, v in BAND.items()}
+  settings += [slow, fast]
+  unique = list({tuple(sorted(s.items())): s for s in settings}.values())
+  return [(s, dataclasses.replace(chip, **s)) for s in unique]
 
 
 # ---- FLOPs and bytes of one instruction -------------------------------------------
@@ -648,7 +677,7 @@ class _Model:
   def _compute(self, ins: Instr, comp: str, tl: Timeline) -> tuple[float, float]:
     f = self.costs.instr_flops(ins, comp)
     b = self.costs.instr_bytes(ins, comp)
-    c = max(f / self.chip.matmul_rate, b / self.chip.hbm_bandwidth)
+    c = max(f / self.chip.matmul_rate, b / self.chip.hbm_rate)
     tl.seconds += c
     tl.compute += c
     tl.flops += f
@@ -791,7 +820,7 @@ def dma_seconds(shape: str, chip: Chip) -> float:
   memory space or an eviction from it (the v4 compiler's memory-space assignment, ``S(3)``
   in the layout) crosses HBM once; the other memory spaces are taken to be no slower."""
   in_hbm = sum(memory_space(shape, k) == 0 for k in (0, 1))
-  return max(in_hbm, 1) * shape_bytes(tuple_element(shape, 1)) / chip.hbm_bandwidth
+  return max(in_hbm, 1) * shape_bytes(tuple_element(shape, 1)) / chip.hbm_rate
 
 
 def exposed_key(kind: str, asynchronous: bool, op_name: str) -> str:
@@ -887,16 +916,17 @@ def calibration_summary() -> str:
           f'{worst:.1f}{over})')
 
 
-def analyze(text: str, chip: Chip, coords=None) -> Result:
+def analyze(text: str | Module, chip: Chip, coords=None) -> Result:
   """Models one step of the compiled program ``text`` on ``chip``.
 
   Args:
-    text: scheduled HLO text (``compiled.as_text()``).
+    text: scheduled HLO text (``compiled.as_text()``), or its ``parse``d module (a
+      program modeled under several chips is parsed once).
     chip: the chip's rates (``Chip.from_profile('tpu_v4')``).
     coords: optional physical coordinates of each partition id (for the torus
       dimensions a collective's group spans).
   """
-  module = parse(text)
+  module = parse(text) if isinstance(text, str) else text
   model = _Model(module, chip, coords)
   tl = model.run(module.entry)
   runs = model.executions()

@@ -409,3 +409,37 @@ def test_search_memory_estimate_against_compiled_totals():
   # Two microbatches: half the activations, one more fp32 gradient (the accumulator).
   full, half = search.Layout(1, 128, 8, 256, 'full'), search.Layout(1, 128, 8, 128, 'full')
   assert estimate(full, accum=2) - estimate(half) == pytest.approx(4 * n / 1024 / 2 ** 30)
+
+
+def test_band_settings_span_the_models_plausible_range():
+  chip = step_model.Chip.from_profile('tpu_v4')
+  settings = [s for s, _ in step_model.band_chips(chip)]
+  assert settings[0] == {k: v[len(v) // 2] for k, v in step_model.BAND.items()}  # the middle
+  assert len({tuple(sorted(s.items())) for s in settings}) == len(settings)  # each once
+  for key, values in step_model.BAND.items():  # every end of every setting is visited
+    assert {s[key] for s in settings} == set(values)
+  slow, fast = settings[-2:]
+  assert slow == {'step_latency': 10e-6, 'link_efficiency': 0.66, 'hbm_efficiency': 0.85}
+  assert fast == {'step_latency': 2e-6, 'link_efficiency': 1.0, 'hbm_efficiency': 1.0}
+  for s, c in step_model.band_chips(chip):
+    assert c.link_rate == chip.link_bandwidth * s['link_efficiency']
+    assert c.hbm_rate == chip.hbm_bandwidth * s['hbm_efficiency']
+    assert c.matmul_rate == chip.matmul_rate  # the fitted matmul efficiency is kept
+
+
+def test_ratio_bands_pair_each_setting_and_take_the_faster_comparator():
+  settings = [{'step_latency': t} for t in (1, 2, 3)]
+  modeled = {'baseline': {'band': {'settings': settings, 'step_seconds': [12.0, 10.0, 11.0]}},
+             'xla': {'band': {'settings': settings, 'step_seconds': [9.0, 11.0, 13.0]}},
+             'ours': {'band': {'settings': settings, 'step_seconds': [10.0, 10.0, 10.0]}}}
+  aot.ratio_bands(modeled)
+  ours = modeled['ours']['band']
+  assert ours['speedup_vs_baseline'] == {'min': 1.0, 'median': 1.1, 'max': 1.2}
+  assert ours['speedup_vs_xla'] == {'min': 0.9, 'median': 1.1, 'max': 1.3}
+  # per setting, the faster comparator: 9 (xla), 10 (baseline), 11 (baseline)
+  assert ours['speedup_vs_best'] == {'min': 0.9, 'median': 1.0, 'max': 1.1}
+  modeled['xla']['band']['settings'] = settings[::-1]
+  with pytest.raises(ValueError, match='xla program was modeled under other settings'):
+    aot.ratio_bands(modeled)
+  text = '\n'.join(aot.band_lines(modeled))
+  assert 'ours / baseline 1.000 / 1.100 / 1.200' in text and 'min / median / max' in text

@@ -328,3 +328,27 @@ def test_cpu_ratios_short_of_their_target_never_print_as_meeting_it():
   lines = report.render_cpu(cpu, {'train_step': 'x.png'})
   [row] = [l for l in lines if l.startswith('| default |')]
   assert '| 1.0504 | <= 1.05 (not met) |' in row
+
+
+def test_the_band_is_shown_and_judged_on_the_faster_comparator():
+  results = _four_configs()
+  assert 'Bands: none in these results' in '\n'.join(report.results_summary(results))
+  band = lambda lo, mid, hi: {'min': lo, 'median': mid, 'max': hi}
+  for name, best in zip(report.PAPER_CONFIGS, ((1.0, 1.2, 1.3), (0.99, 1.15, 1.2),
+                                               (1.12, 1.16, 1.2), (1.05, 1.13, 1.3))):
+    results[name]['modeled']['ours']['band'] = {
+        'speedup_vs_baseline': band(1.1, 1.2, 1.3), 'speedup_vs_best': band(*best),
+        'mfu': band(0.70, 0.73, 0.75)}
+  lines = report.results_summary(results)
+  assert ('| dense_500b | 1.100 / 1.200 / 1.300x | - | 1.120 / 1.160 / 1.200x | '
+          '70.0% / 73.0% / 75.0% |') in lines
+  text = '\n'.join(lines)
+  assert ('- dense_500b: ours / the faster comparator >= 1.1x at the minimum and >= 1.14x at '
+          'the median, ours MFU >= 72% at the median: met (1.120x, 1.160x, 73.0%)') in text
+  assert ('- ours >= 1.14x the faster comparator at the median on three of four: met '
+          '(dense_10b 1.200x, dense_64b 1.150x, dense_500b 1.160x, moe_1t 1.130x)') in text
+  assert ('- ours >= 1.0x the faster comparator at the minimum on all four: not met '
+          '(dense_10b 1.000x, dense_64b 0.990x, dense_500b 1.120x, moe_1t 1.050x)') in text
+  results['dense_500b']['modeled']['ours']['band']['mfu'] = band(0.70, 0.71, 0.75)
+  assert 'at the median: not met (1.120x, 1.160x, 71.0%)' in '\n'.join(
+      report.results_summary(results))
