@@ -16,24 +16,20 @@ from configs import default
 def get_config() -> ml_collections.ConfigDict:
   c = default.get_config()
   c.steps = 100_000                # the LR schedule's length (AOT compiles one step)
-  c.log_every = 10
   c.eval_every = 1000
-  c.eval_steps = 8
 
   c.model.vocab_size = 32768
   c.model.head_dim = 128
   c.model.max_seq_len = 2048
   c.model.norm_eps = 1e-5
-  c.model.dtype = 'bfloat16'       # compute
-  c.model.param_dtype = 'float32'  # master weights (and AdamW moments unless set)
+  c.model.dtype = 'bfloat16'       # compute; master weights (param_dtype) stay float32
   c.model.scan_layers = True       # one compiled block, not one per layer
   c.model.scan_unroll = 1          # layers per scan iteration
-  c.model.cast_in_loop = False     # the compiler casts the weights (model.cast_in_loop)
+  c.model.cast_in_loop = False     # the compiler casts all layers' weights before the scan
   c.model.attention = 'splash'     # the Pallas splash kernel, as MaxText on TPU
   c.model.fused_projections = True  # one einsum (and one ring) for q/k/v, one for gate/up
 
   c.optimizer.warmup_steps = 2000
-  c.optimizer.weight_decay = 0.1
 
   c.data.path = 'synthetic'        # point at real tokens (.npy/.bin) to train
 
