@@ -2,14 +2,11 @@ r"""The four paper configs on TPU v5p slices of the same chip counts.
 
   python -m launch.aot --config configs/v5p.py:dense_500b
 
-The argument names one of ``configs/dense_10b.py``, ``dense_64b.py``,
-``dense_500b.py`` and ``moe_1t.py``: the same model and settings, compiled for
-a v5p slice of as many chips (``SLICES``; 3-D tori like v4's) and modeled with
-the ``tpu_v5p`` row of ``parallelism/hardware.py``, at the layout ``LAYOUTS``
-names: v5p's memory holds more tokens per chip and more saved activations than
-v4's, so each layout is searched on its v5p slice rather than taken from v4.
-Their figures, and what each layout's settings gave: docs/benchmarks.md,
-docs/paper_scale.md.
+The argument names ``configs/dense_10b.py``, ``dense_64b.py``, ``dense_500b.py``
+or ``moe_1t.py``: that model on a v5p slice of as many chips (``SLICES``), modeled
+with ``parallelism/hardware.py``'s ``tpu_v5p`` row, at the layout ``LAYOUTS`` names
+(v5p's memory holds more per chip than v4's, so each is searched on v5p). Figures,
+and what each setting gave: docs/benchmarks.md, docs/paper_scale.md.
 """
 
 import importlib
@@ -19,18 +16,16 @@ import ml_collections
 SLICES = {'dense_10b': 'v5p:4x4x8', 'dense_64b': 'v5p:8x8x8', 'dense_500b': 'v5p:8x8x16',
           'moe_1t': 'v5p:8x8x16'}
 
-# Each model's best compiled layout on its v5p slice: for the dense three the layout
-# search's (``python -m launch.aot --config configs/v5p.py:<name> --search``); for
-# ``moe_1t``, whose expert axis the search does not sweep, the best of its remat and twice
-# its batch, compiled by hand. MaxText's continuation-fusion flags for all-reduce (its
-# ``CF_FOR_ALL_REDUCE``) let some of the baselines' all-reduces run asynchronously.
+# Each model's best compiled layout on its slice: the dense three's from the layout search
+# (``launch.aot --config configs/v5p.py:<name> --search``), ``moe_1t``'s (its expert axis
+# unswept) the best of its remat and twice its batch. MaxText's continuation-fusion flags
+# for all-reduce (``CF_FOR_ALL_REDUCE``) let some baselines' all-reduces run asynchronously.
 ALL_REDUCE_FLAGS = ('default --xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true '
                     '--xla_enable_async_all_reduce=true')
 LAYOUTS = {
     'dense_10b': {'batch_size': 512, 'model.remat': 'save_dot_except_qkv'},
-    # No tensor axis: the forward einsums are the compiler's, the weight gradients ring
-    # over fsdp beside them (the compiler's reduce-scatters of them block), a Pallas
-    # kernel a two-way round; v4's plain attn.o and pairs apart were for its tensor rings.
+    # No tensor axis: the weight gradients ring over fsdp beside the compiler's forward
+    # einsums, a kernel a two-way round; v4's attn.o and pairs were for its tensor rings.
     'dense_64b': {'mesh.data': 8, 'mesh.fsdp': 64, 'mesh.tensor': 1, 'batch_size': 1024,
                   'model.remat': 'minimal', 'hardware.xla_flags': ALL_REDUCE_FLAGS,
                   'parallelism.gradient_rings': 'any_forward',
