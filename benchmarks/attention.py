@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
+
+from benchmarks import prelude
 
 
 def measure(fn, args, repeats: int) -> dict:
@@ -37,9 +38,9 @@ def measure(fn, args, repeats: int) -> dict:
 
 def check(args) -> str | None:
   """What is wrong with the arguments, in one line; None when nothing is."""
-  for name in ('seq', 'block', 'heads', 'head_dim', 'repeats'):
-    if getattr(args, name) < 1:
-      return f'--{name}={getattr(args, name)} must be at least 1'
+  error = prelude.at_least_one(args, 'seq', 'block', 'heads', 'head_dim', 'repeats')
+  if error:
+    return error
   if args.seq < 4:
     return f'--seq={args.seq} must be at least 4 (four packed documents)'
   if args.seq % args.block:
@@ -59,11 +60,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   error = check(args)
   if error:
-    print(f'error: {error}', file=sys.stderr)
-    return 2
+    return prelude.refuse(error)
+  prelude.start_cpu(1)
   # pylint: disable=g-import-not-at-top
-  from trainer import runtime
-  runtime.configure_host(1, platform='cpu')  # before JAX starts: after the checks
   import jax
   import jax.numpy as jnp
   from models.attention import attend_blockwise

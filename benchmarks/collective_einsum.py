@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import prelude
+
 MODES = ('none', 'unidirectional', 'bidirectional')
 
 # name, equation, lhs shape, rhs shape, lhs spec, rhs spec, out spec (tensor axis = 8).
@@ -86,13 +86,10 @@ def main(argv=None):
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--small_only', action='store_true', help='skip the 1B-class cases')
   args = parser.parse_args(argv)
-  if args.repeats < 1:  # before JAX starts
-    print(f'error: --repeats={args.repeats} must be at least 1', file=sys.stderr)
-    return 2
-  sys.path.insert(0, ROOT)
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  from trainer import runtime  # pylint: disable=g-import-not-at-top
-  runtime.configure_host(8)
+  error = prelude.at_least_one(args, 'repeats')
+  if error:
+    return prelude.refuse(error)
+  prelude.start_cpu(8)
   from parallelism import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   mesh = mesh_lib.make_mesh(dict(data=1, fsdp=1, tensor=8, expert=1, dcn_data=1, dcn_fsdp=1,
                                  dcn_tensor=1, dcn_expert=1))

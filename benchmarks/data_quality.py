@@ -50,6 +50,7 @@ import statistics
 import sys
 import time
 
+from benchmarks import prelude
 from benchmarks.input import TooSmall, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,9 +249,10 @@ def check(args) -> str | None:
       return f'--{name} {value:g} must be finite and > 0'
   if args.max_doc_kb < args.min_doc_kb:
     return f'--max_doc_kb {args.max_doc_kb:g} is below --min_doc_kb {args.min_doc_kb:g}'
-  for name in ('steps', 'batch_size', 'seq_len', 'eval_steps', 'reference_runs'):
-    if getattr(args, name) < 1:
-      return f'--{name}={getattr(args, name)} must be at least 1'
+  error = prelude.at_least_one(args, 'steps', 'batch_size', 'seq_len', 'eval_steps',
+                               'reference_runs')
+  if error:
+    return error
   if args.seq_len > 1024:
     return f'--seq_len={args.seq_len} is more than the model accepts (1024)'
   if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):

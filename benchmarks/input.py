@@ -53,6 +53,8 @@ import shutil
 import sys
 import time
 
+from benchmarks import prelude
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_BYTES = 1 << 20  # text of the small corpus: 2 MB of uint16 tokens
 PART_BYTES = 128 << 20  # text per JSONL file
@@ -145,8 +147,7 @@ def _result(tokens: int, seconds: float) -> dict:
 
 def default_config_rate(workdir: str) -> float:
   """Tokens/s the default config's train step consumes (8 simulated CPU devices)."""
-  from trainer import runtime  # pylint: disable=g-import-not-at-top
-  runtime.configure_host(8)
+  prelude.start_cpu(8)
   from benchmarks import train_step  # pylint: disable=g-import-not-at-top
   from trainer import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load(DEFAULT)
@@ -276,16 +277,14 @@ def run(args, check, measure, report) -> int:
   ``args.keep``), print ``report`` of it or its JSON (``args.json``)."""
   error = check(args)
   if error:
-    print(f'error: {error}', file=sys.stderr)
-    return 2
+    return prelude.refuse(error)
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   before = set(os.listdir(args.workdir)) if os.path.isdir(args.workdir) else None
   try:
     out = measure(args)
   except TooSmall as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
+    return prelude.refuse(str(e))
   finally:
     if not args.keep:
       remove_made(args.workdir, before)

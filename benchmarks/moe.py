@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import prelude
+
 TARGET = 1.10
 SHAPE = dict(sequences=16, seq_len=1024, d_model=1024, experts=8, top_k=2, mlp_dim=1024)
 RULES = [['batch', ['data', 'fsdp', 'expert']], ['batch', ['data', 'fsdp']],
@@ -98,13 +98,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   bad = [f'--repeats={args.repeats}'] if args.repeats < 1 else []
   bad += [f'--chunks {c}' for c in args.chunks if c < 1]
-  if bad:  # before JAX starts
-    print(f'error: {bad[0]} must be at least 1', file=sys.stderr)
-    return 2
-  sys.path.insert(0, ROOT)
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  from trainer import runtime  # pylint: disable=g-import-not-at-top
-  runtime.configure_host(8)
+  if bad:
+    return prelude.refuse(f'{bad[0]} must be at least 1')
+  prelude.start_cpu(8)
   tokens = SHAPE['sequences'] * SHAPE['seq_len'] // 8
   if not args.json:
     print(f'MoE layer, 8 CPU devices (data=2 x expert=4), {tokens} tokens per device, '

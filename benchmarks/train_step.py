@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 
+from benchmarks import prelude
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [('bench_tp_1b', os.path.join(ROOT, 'configs', 'bench_tp_1b.py'), 1.05),
            ('default', os.path.join(ROOT, 'configs', 'default.py'), None)]
@@ -50,13 +52,10 @@ def main(argv=None) -> int:
   parser.add_argument('--json', action='store_true')
   parser.add_argument('--repeats', type=int, default=3)
   args = parser.parse_args(argv)
-  if args.repeats < 1:  # before JAX starts
-    print(f'error: --repeats={args.repeats} must be at least 1', file=sys.stderr)
-    return 2
-  sys.path.insert(0, ROOT)
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  from trainer import runtime  # pylint: disable=g-import-not-at-top
-  runtime.configure_host(8)
+  error = prelude.at_least_one(args, 'repeats')
+  if error:
+    return prelude.refuse(error)
+  prelude.start_cpu(8)
   import tempfile  # pylint: disable=g-import-not-at-top
   results = []
   with tempfile.TemporaryDirectory() as tmp:
