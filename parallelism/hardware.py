@@ -61,12 +61,38 @@ GPU_OVERLAP_FLAGS = (
 )
 
 
+# A Pallas kernel on a TPU TensorCore (parallelism/kernels.py prices one), fitted to the
+# one public measured table of Pallas block sizes: the JAX docs' "Pallas TPU: Matrix
+# Multiplication" guide (docs/pallas/tpu/matmul.md, outputs unchanged since jax-ml/jax
+# c504fa6a4a; configs/calibration/SOURCES.md 3A), bf16 matmuls of 1024^3, 4096^3 and
+# 8192^3 on a v5e (one TensorCore, 197e12 FLOP/s) in blocks of 128x128x128 and of
+# 512x1024x1024, timed with Python's dispatch. time = dispatch + grid steps x (step
+# overhead + a step's FLOPs / (peak x efficiency)) fits all six rows within 1.8% at a
+# dispatch of 116 us and these two constants (a minimax fit; reproduced by
+# tests/test_step_model.py): 128^3 blocks take 0.35 us a step (0.021 us of it MXU time),
+# 512x1024x1024 blocks run their matmuls at 0.975 of peak once the step overhead is out.
+# So the guide's small blocks lose their efficiency to the step overhead, not to the MXU.
+PALLAS_STEP_SECONDS = 0.33e-6   # fixed cost of one grid step, on each TensorCore
+PALLAS_MXU_EFFICIENCY = 0.975   # a kernel's MXU-aligned block matmuls, of the core's peak
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuSlice:
-  """How the TPU compiler names a slice of this chip (``v4:8x8x16``)."""
+  """How the TPU compiler names a slice of this chip (``v4:8x8x16``), and the two
+  facts of its TensorCores that price a Pallas kernel (parallelism/kernels.py).
+
+  ``tensorcores``: v4 and v5p chips have two (one device, "megacore"); Mosaic splits a
+  kernel over them only along grid axes marked parallel, else runs it on one (the JAX
+  Pallas TPU pipelining guide: "not specifying it will result in only one TensorCore
+  being used"). ``mxu``: the matrix unit's width, 128 before v6e and 256 on v6e (the
+  scaling book: "TPU v6e (Trillium) has a 256x256 MXU, while all previous generations use
+  128x128"; configs/calibration/SOURCES.md 4A).
+  """
   prefix: str                               # topology name prefix: 'v4', 'v5p', ...
   chip_config_name: str                     # 'megacore' (v4, v5p) or 'default'
   chips_per_host_bounds: tuple[int, int, int]
+  tensorcores: int = 1                      # TensorCores a kernel may split over
+  mxu: int = 128                            # MXU width (and height)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +127,14 @@ PROFILES = {p.name: p for p in (
     HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
                     hbm_bandwidth=1.2e12, usable_hbm_bytes=30.75 * GIB,
                     platform='tpu', device_kind=r'TPU v4',
-                    tpu=TpuSlice('v4', 'megacore', (2, 2, 1)),
+                    tpu=TpuSlice('v4', 'megacore', (2, 2, 1), tensorcores=2),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     # v5p: the data sheet's "95 GB" of HBM2e is below what the compiler gives one program,
     # 95.74 GiB (its own figure in out-of-memory messages), which is what decides a fit.
     HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip', 90e9, 1, 2e-6, True,
                     hbm_bandwidth=2.765e12, usable_hbm_bytes=95.74 * GIB,
                     platform='tpu', device_kind=r'TPU v5p?',
-                    tpu=TpuSlice('v5p', 'megacore', (2, 2, 1)),
+                    tpu=TpuSlice('v5p', 'megacore', (2, 2, 1), tensorcores=2),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     # v5e and v6e: 2-D tori (v5e:4x4), 16 and 32 GiB HBM, same reserve assumed.
     HardwareProfile('tpu_v5e', 197e12, 'TPU v5e data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
@@ -119,7 +145,7 @@ PROFILES = {p.name: p for p in (
     HardwareProfile('tpu_v6e', 918e12, 'TPU v6e (Trillium) data sheet, bf16 per chip', 90e9, 1,
                     2e-6, True, hbm_bandwidth=1.64e12, usable_hbm_bytes=30.75 * GIB,
                     platform='tpu', device_kind=r'TPU v6(e| lite)',
-                    tpu=TpuSlice('v6e', 'default', (2, 2, 1)),
+                    tpu=TpuSlice('v6e', 'default', (2, 2, 1), mxu=256),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
                     hbm_bandwidth=3.35e12, usable_hbm_bytes=80e9, platform='gpu',
