@@ -61,19 +61,20 @@ GPU_OVERLAP_FLAGS = (
 )
 
 
-# A Pallas kernel on a TPU TensorCore (parallelism/kernels.py prices one), fitted to the
+# A Pallas kernel's grid step, on each TensorCore (parallelism/kernels.py), fitted to the
 # one public measured table of Pallas block sizes: the JAX docs' "Pallas TPU: Matrix
 # Multiplication" guide (docs/pallas/tpu/matmul.md, outputs unchanged since jax-ml/jax
 # c504fa6a4a; configs/calibration/SOURCES.md 3A), bf16 matmuls of 1024^3, 4096^3 and
 # 8192^3 on a v5e (one TensorCore, 197e12 FLOP/s) in blocks of 128x128x128 and of
-# 512x1024x1024, timed with Python's dispatch. time = dispatch + grid steps x (step
-# overhead + a step's FLOPs / (peak x efficiency)) fits all six rows within 1.8% at a
-# dispatch of 116 us and these two constants (a minimax fit; reproduced by
-# tests/test_step_model.py): 128^3 blocks take 0.35 us a step (0.021 us of it MXU time),
-# 512x1024x1024 blocks run their matmuls at 0.975 of peak once the step overhead is out.
-# So the guide's small blocks lose their efficiency to the step overhead, not to the MXU.
-PALLAS_STEP_SECONDS = 0.33e-6   # fixed cost of one grid step, on each TensorCore
-PALLAS_MXU_EFFICIENCY = 0.975   # a kernel's MXU-aligned block matmuls, of the core's peak
+# 512x1024x1024, timed with Python's dispatch. time = dispatch + grid steps x (step +
+# a step's FLOPs / (peak x efficiency)) fits all six rows within 1.8% (a minimax fit,
+# reproduced by tests/test_step_model.py) at a dispatch of 116 us, this step and an
+# efficiency of 0.975 for both block shapes: the guide's small blocks lose their
+# efficiency to the step's fixed cost (128^3 blocks: 0.35 us a step, 0.021 us of it MXU
+# time), not to the MXU. Its largest blocks, steps and all, reach 0.93 of peak at 8192^3,
+# its XLA matmul 0.94 (dispatch out): a kernel's block matmuls are priced as XLA's are
+# (the step model's calibrated matmul efficiency), their steps on top.
+PALLAS_STEP_SECONDS = 0.33e-6
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,11 @@ its block matmuls. Its time on a chip:
   only along a grid axis marked parallel; an axis of ``n`` gives the busier core
   ``ceil(n / 2)`` of ``n`` (``cores_used``). Without such an axis of 2 or more, one core
   does it all, at half the chip's peak.
-* ``efficiency``: ``hardware.PALLAS_MXU_EFFICIENCY`` (the Pallas matmul guide's blocks, fitted)
-  times what a block matmul's shape wastes on the MXU: its contracted and output widths
-  padded to the MXU's (128, or 256 on v6e; ``tile_efficiency``).
+* ``efficiency``: the step model's calibrated matmul efficiency (the Pallas matmul guide
+  measured its kernel as fast as XLA's matmul; ``hardware.PALLAS_STEP_SECONDS``) times
+  ``Chip.kernel_efficiency`` (1 by default: a knob for the model's variants) times what
+  a block matmul's shape wastes on the MXU: its contracted and output widths padded to
+  the MXU's (128, or 256 on v6e; ``tile_efficiency``).
 * ``step``: ``hardware.PALLAS_STEP_SECONDS`` for each grid step the busier core runs.
 
 Every number is modeled, as the step model's are.
@@ -100,8 +102,8 @@ def kernel_seconds(grid: KernelGrid, flops: float, hbm_bytes: float, chip) -> tu
   ``step_model.Chip``): the module docstring's formula; ``matmul`` is its FLOPs' time
   alone, ``grid-step`` the busier core's step overheads."""
   cores = cores_used(grid, chip.tensorcores)
-  rate = (cores * chip.peak_flops / chip.tensorcores * chip.kernel_efficiency
-          * tile_efficiency(grid, chip.mxu))
+  rate = (cores * chip.peak_flops / chip.tensorcores * chip.matmul_efficiency
+          * chip.kernel_efficiency * tile_efficiency(grid, chip.mxu))
   matmul = flops / rate
   steps = grid.steps / cores * chip.kernel_step_seconds
   return max(matmul, hbm_bytes / chip.hbm_bandwidth) + steps, matmul, steps

@@ -140,11 +140,12 @@ class Chip:
   matmul_efficiency: float = 1.0  # achieved / peak matmul rate
   link_efficiency: float = 1.0    # achieved / data-sheet link bandwidth
   # Pallas kernels (parallelism/kernels.py): the TensorCores one may split over, the MXU's
-  # width, a grid step's fixed cost and the MXU efficiency of its block matmuls
+  # width, a grid step's fixed cost and its block matmuls' rate relative to XLA's
+  # (matmul_efficiency; 1: as fast, hardware.PALLAS_STEP_SECONDS says why)
   tensorcores: int = 1
   mxu: int = 128
   kernel_step_seconds: float = hardware.PALLAS_STEP_SECONDS
-  kernel_efficiency: float = hardware.PALLAS_MXU_EFFICIENCY
+  kernel_efficiency: float = 1.0
 
   @classmethod
   def from_profile(cls, name: str, calibrated: bool = True) -> 'Chip':
