@@ -5,8 +5,9 @@ source): dense bf16 peak FLOP/s (on the CPU, whose fake devices share the
 host's cores, the host's fp32 matmul rate, measured once per machine and
 cached: peak_flops_per_device), HBM bandwidth, the HBM one compiled program
 may use, interconnect link bandwidth, for TPUs how to name a slice to the
-compiler (``launch.aot``), the compiler flags a run uses by default on that
-chip, and the ``device_kind`` by which ``hardware.name='auto'`` recognizes it.
+compiler (``launch.aot``) and the TensorCores and MXU width that price a Pallas
+kernel (with ``PALLAS_STEP_SECONDS``), the compiler flags a run uses by default on
+that chip, and the ``device_kind`` by which ``hardware.name='auto'`` recognizes it.
 
 Link numbers: TPU ICI per link and direction (v4 and v5e 45 GB/s, v5p and
 v6e 90 GB/s), a ring on one torus axis using one link per direction; NVLink 4
