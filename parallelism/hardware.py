@@ -5,8 +5,9 @@ source): dense bf16 peak FLOP/s (on the CPU, whose fake devices share the
 host's cores, the host's fp32 matmul rate, measured once per machine and
 cached: peak_flops_per_device), HBM bandwidth, the HBM one compiled program
 may use, interconnect link bandwidth, for TPUs how to name a slice to the
-compiler (``launch.aot``), the compiler flags a run uses by default on that
-chip, and the ``device_kind`` by which ``hardware.name='auto'`` recognizes it.
+compiler (``launch.aot``) and the TensorCores and MXU width that price a Pallas
+kernel (with ``PALLAS_STEP_SECONDS``), the compiler flags a run uses by default on
+that chip, and the ``device_kind`` by which ``hardware.name='auto'`` recognizes it.
 
 Link numbers: TPU ICI per link and direction (v4 and v5e 45 GB/s, v5p and
 v6e 90 GB/s), a ring on one torus axis using one link per direction; NVLink 4
@@ -61,12 +62,39 @@ GPU_OVERLAP_FLAGS = (
 )
 
 
+# A Pallas kernel's grid step, on each TensorCore (parallelism/kernels.py), fitted to the
+# one public measured table of Pallas block sizes: the JAX docs' "Pallas TPU: Matrix
+# Multiplication" guide (docs/pallas/tpu/matmul.md, outputs unchanged since jax-ml/jax
+# c504fa6a4a; configs/calibration/SOURCES.md 3A), bf16 matmuls of 1024^3, 4096^3 and
+# 8192^3 on a v5e (one TensorCore, 197e12 FLOP/s) in blocks of 128x128x128 and of
+# 512x1024x1024, timed with Python's dispatch. time = dispatch + grid steps x (step +
+# a step's FLOPs / (peak x efficiency)) fits all six rows within 1.8% (a minimax fit,
+# reproduced by tests/test_step_model.py) at a dispatch of 116 us, this step and an
+# efficiency of 0.975 for both block shapes: the guide's small blocks lose their
+# efficiency to the step's fixed cost (128^3 blocks: 0.35 us a step, 0.021 us of it MXU
+# time), not to the MXU. Its largest blocks, steps and all, reach 0.93 of peak at 8192^3,
+# its XLA matmul 0.94 (dispatch out): a kernel's block matmuls are priced as XLA's are
+# (the step model's calibrated matmul efficiency), their steps on top.
+PALLAS_STEP_SECONDS = 0.33e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuSlice:
-  """How the TPU compiler names a slice of this chip (``v4:8x8x16``)."""
+  """How the TPU compiler names a slice of this chip (``v4:8x8x16``), and the two
+  facts of its TensorCores that price a Pallas kernel (parallelism/kernels.py).
+
+  ``tensorcores``: v4 and v5p chips have two (one device, "megacore"); Mosaic splits a
+  kernel over them only along grid axes marked parallel, else runs it on one (the JAX
+  Pallas TPU pipelining guide: "not specifying it will result in only one TensorCore
+  being used"). ``mxu``: the matrix unit's width, 128 before v6e and 256 on v6e (the
+  scaling book: "TPU v6e (Trillium) has a 256x256 MXU, while all previous generations use
+  128x128"; configs/calibration/SOURCES.md 4A).
+  """
   prefix: str                               # topology name prefix: 'v4', 'v5p', ...
   chip_config_name: str                     # 'megacore' (v4, v5p) or 'default'
   chips_per_host_bounds: tuple[int, int, int]
+  tensorcores: int = 1                      # TensorCores a kernel may split over
+  mxu: int = 128                            # MXU width (and height)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +129,14 @@ PROFILES = {p.name: p for p in (
     HardwareProfile('tpu_v4', 275e12, 'TPU v4 data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
                     hbm_bandwidth=1.2e12, usable_hbm_bytes=30.75 * GIB,
                     platform='tpu', device_kind=r'TPU v4',
-                    tpu=TpuSlice('v4', 'megacore', (2, 2, 1)),
+                    tpu=TpuSlice('v4', 'megacore', (2, 2, 1), tensorcores=2),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     # v5p: the data sheet's "95 GB" of HBM2e is below what the compiler gives one program,
     # 95.74 GiB (its own figure in out-of-memory messages), which is what decides a fit.
     HardwareProfile('tpu_v5p', 459e12, 'TPU v5p data sheet, bf16 per chip', 90e9, 1, 2e-6, True,
                     hbm_bandwidth=2.765e12, usable_hbm_bytes=95.74 * GIB,
                     platform='tpu', device_kind=r'TPU v5p?',
-                    tpu=TpuSlice('v5p', 'megacore', (2, 2, 1)),
+                    tpu=TpuSlice('v5p', 'megacore', (2, 2, 1), tensorcores=2),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     # v5e and v6e: 2-D tori (v5e:4x4), 16 and 32 GiB HBM, same reserve assumed.
     HardwareProfile('tpu_v5e', 197e12, 'TPU v5e data sheet, bf16 per chip', 45e9, 1, 2e-6, True,
@@ -119,7 +147,7 @@ PROFILES = {p.name: p for p in (
     HardwareProfile('tpu_v6e', 918e12, 'TPU v6e (Trillium) data sheet, bf16 per chip', 90e9, 1,
                     2e-6, True, hbm_bandwidth=1.64e12, usable_hbm_bytes=30.75 * GIB,
                     platform='tpu', device_kind=r'TPU v6(e| lite)',
-                    tpu=TpuSlice('v6e', 'default', (2, 2, 1)),
+                    tpu=TpuSlice('v6e', 'default', (2, 2, 1), mxu=256),
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
                     hbm_bandwidth=3.35e12, usable_hbm_bytes=80e9, platform='gpu',

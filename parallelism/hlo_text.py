@@ -2,12 +2,15 @@
 
 ``parse(compiled.as_text())`` gives each computation's instructions in the
 printed (for a scheduled module: execution) order. Operands are referenced by
-name; look their shapes up in the same computation.
+name; look their shapes up in the same computation. A Pallas kernel's grid and block
+matmuls come from the Mosaic module its backend config carries (``kernel_grid``).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import functools
 import math
 import re
 
@@ -233,3 +236,90 @@ def permute_offsets(module: Module, mesh, axis: str) -> list[int]:
       src, dst = source_target_pairs(ins.attrs)[0]
       offsets.append((coords[dst] - coords[src]) % n)
   return offsets
+
+
+# ---- Pallas (Mosaic) kernels ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelGrid:
+  """A Pallas kernel's grid and block matmuls, as its serialized Mosaic body states them.
+
+  ``bounds`` are the grid's sizes (``iteration_bounds``; none for a kernel without a
+  grid), ``parallel`` says for each whether its ``dimension_semantics`` is parallel
+  (``parallel`` or ``core_parallel``: Mosaic may split it over a chip's TensorCores), and
+  ``matmuls`` is the ``(m, k, n)`` of each matmul in the kernel's body (one grid step's
+  blocks; ``k`` contracted, ``n`` the right operand's other dimensions).
+  """
+  bounds: tuple[int, ...]
+  parallel: tuple[bool, ...]
+  matmuls: tuple[tuple[int, int, int], ...]
+
+  @property
+  def steps(self) -> int:
+    return math.prod(self.bounds)
+
+
+_BODY = re.compile(r'"custom_call_config\\?"\s*:\s*\{\s*\\?"body\\?"\s*:\s*\\?"([A-Za-z0-9+/=]*)')
+
+
+def kernel_grid(ins: Instr) -> KernelGrid | None:
+  """The grid of a Pallas kernel (a ``tpu_custom_call``, whose backend config carries the
+  Mosaic kernel as base64 MLIR bytecode), read with jaxlib's MLIR bindings; None for any
+  other instruction. Raises ValueError naming the instruction when its body is missing or
+  does not read as a Mosaic kernel with a grid."""
+  if 'custom_call_target="tpu_custom_call"' not in ins.attrs:
+    return None
+  body = _BODY.search(ins.attrs)
+  try:
+    if not body:
+      raise ValueError('its backend config carries no Mosaic body')
+    return mosaic_grid(body.group(1))
+  except Exception as e:  # pylint: disable=broad-except  (MLIR raises its own types)
+    raise ValueError(f'Pallas kernel %{ins.name} ({ins.op_name or "no op_name"}): cannot read '
+                     f'its grid: {e}') from e
+
+
+@functools.lru_cache(maxsize=None)
+def mosaic_grid(body: str) -> KernelGrid:
+  """The grid of a Mosaic kernel serialized as ``body`` (base64 MLIR bytecode, as a
+  ``tpu_custom_call`` carries it); cached: a program repeats its kernels."""
+  from jaxlib.mlir import ir  # pylint: disable=g-import-not-at-top
+  from jaxlib.mosaic.python import tpu  # pylint: disable=g-import-not-at-top
+  ctx = ir.Context()
+  tpu.register_dialect(ctx)
+  ctx.allow_unregistered_dialects = True
+  with ctx, ir.Location.unknown():
+    module = ir.Module.parse(base64.b64decode(body, validate=True))
+    grids = [op.attributes for op in module.body.operations
+             if op.operation.name.endswith('func.func') and
+             'dimension_semantics' in op.attributes]
+    if len(grids) != 1:
+      raise ValueError(f'{len(grids)} kernel functions with dimension_semantics, not one')
+    semantics = re.findall(r'dimension_semantics<(\w+)>', str(grids[0]['dimension_semantics']))
+    bounds = (tuple(ir.DenseI64ArrayAttr(grids[0]['iteration_bounds']))
+              if 'iteration_bounds' in grids[0] else ())
+    if len(bounds) != len(semantics) or any(b < 0 for b in bounds):
+      raise ValueError(f'grid {bounds} with dimension semantics {semantics}')
+    matmuls = []
+
+    def visit(op):
+      if op.name.endswith('tpu.matmul'):
+        matmuls.append(_matmul_mkn(op, ir))
+      return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+  return KernelGrid(bounds, tuple(s in ('parallel', 'core_parallel') for s in semantics),
+                    tuple(matmuls))
+
+
+def _matmul_mkn(op, ir) -> tuple[int, int, int]:
+  """(m, k, n) of a Mosaic ``tpu.matmul``: from its operands' shapes and dimension numbers
+  (``[lhs contracting], [rhs contracting], [lhs other], [rhs other], ...``)."""
+  lhs, rhs = (list(ir.VectorType(o.type).shape) for o in list(op.operands)[:2])
+  if 'dimension_numbers' not in op.attributes:
+    raise ValueError(f'a matmul without dimension numbers: {op}')
+  groups = [_ints(g) for g in re.findall(r'\[([\d, ]*)\]', str(op.attributes['dimension_numbers']))]
+  lc, _, lo, ro = groups[:4]
+  size = lambda shape, idx: math.prod(shape[i] for i in idx)
+  return size(lhs, lo), size(lhs, lc), size(rhs, ro)

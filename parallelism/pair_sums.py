@@ -23,7 +23,9 @@ the compiler lays out the cotangents that stack them), each accumulator one half
 ``[P, rows, Q]`` (along ``P`` or ``Q``), as ``ring._in_halves`` sends them. On a CPU the
 kernel runs in Pallas's interpreter (the tests); the TPU compiles it with Mosaic. It
 declares its FLOPs and HBM bytes (``pl.CostEstimate``), which the step model reads
-(``step_model.kernel_cost``).
+(``kernels.kernel_cost``), and its grid, which gets a parallel axis of 2 or more
+wherever the shapes allow, so that both TensorCores of a v4 or v5p chip share it
+(``_blocks``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from parallelism import kernels
+from parallelism.hlo_text import KernelGrid
 
 NAME = 'ring_pair_sums'  # the kernel's name in the compiled program
 # What the kernel's blocks may take of a TPU core's VMEM: 14 of the 16 MiB the compiler
@@ -54,10 +59,14 @@ def _tile(size: int, target: int, quantum: int) -> int:
 
 def _blocks(p: int, q: int, rows: int, tt: int, itemsize: int,
             wire_itemsize: int) -> tuple[int, int]:
-  """(P' a step, columns a step) for the grid: the most of both (the fewest reads of each
-  block of rows) whose buffers fit ``VMEM_BUDGET``: both row blocks and ``y``'s block,
+  """(P' a step, columns a step) for the grid, whose blocks of both are its parallel axes.
+
+  Of the blocks whose buffers fit ``VMEM_BUDGET`` (both row blocks and ``y``'s block,
   double-buffered, both accumulators and both sums (double-buffered) and both fp32 sums
-  in scratch. Columns are a multiple of 128 dividing ``q`` (or ``q``)."""
+  in scratch; columns a multiple of 128 dividing ``q``, or ``q``): first those that keep
+  both TensorCores of a v4 or v5p chip busy (a parallel axis of 2 or more, which Mosaic
+  splits between them; without one a core idles: ``kernels.cores_used``), then the most
+  of both (the fewest reads of each block of rows)."""
   fixed = 2 * 2 * rows * tt * itemsize
   per_element = 2 * tt * itemsize + 8 * rows * wire_itemsize + 2 * rows * 4  # of P' x cols
   fits = [(pc, tq) for tq in _tiles(q, 128) for pc in range(p, 0, -1)
@@ -65,7 +74,8 @@ def _blocks(p: int, q: int, rows: int, tt: int, itemsize: int,
   if not fits:
     raise ValueError(f'pair_sums: blocks of {rows} rows and {tt} tokens do not fit '
                      f'{VMEM_BUDGET} bytes of VMEM')
-  return max(fits, key=lambda f: (f[0] * f[1], f[0]))
+  cores = lambda f: kernels.cores_used(KernelGrid((p // f[0], q // f[1]), (True, True), ()), 2)
+  return max(fits, key=lambda f: (cores(f), f[0] * f[1], f[0]))
 
 
 def cost(xt_shape, acc_shape, itemsize: int, wire_itemsize: int,

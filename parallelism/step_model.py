@@ -15,11 +15,15 @@ Per instruction:
   contracted elements are its input features times the window taps that land
   on real input (the TPU compiler writes batched matmuls as convolutions with
   padded windows; padding and dilation holes count nothing). Elementwise work
-  is left out. The splash attention kernels of models/attention.py (Pallas
-  custom calls, which carry no cost of their own) count their matmuls per
-  causal block pair (``splash_flops``). ``B`` is the bytes read and written: operands plus output,
+  is left out. ``B`` is the bytes read and written: operands plus output,
   except that a fusion parameter that is only sliced counts its slices, and an
   in-place dynamic-update-slice counts the update, not the whole buffer.
+* **Pallas kernels** (``tpu_custom_call``) are priced from their grid, read from the
+  Mosaic module each carries (parallelism/kernels.py): the FLOPs and bytes they declare
+  (the splash attention kernels of models/attention.py declare none and count their
+  matmuls per causal block pair), at the MXU efficiency of their block matmuls' shapes,
+  on one TensorCore of a two-core chip (v4, v5p) unless a parallel grid axis of 2 or more
+  lets Mosaic split them, plus a fixed cost per grid step (``Pallas grid steps``).
 * **Collectives** over a group of ``G`` chips, with ``L`` links (both
   directions of the ring in every torus dimension the group spans:
   ``L = 2 x ring_links x dims``; ``2 x ring_links`` without chip coordinates)
@@ -101,9 +105,10 @@ from typing import Sequence
 import numpy as np
 
 from parallelism import hardware
+from parallelism.kernels import kernel_cost, kernel_seconds, splash_flops
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
-from parallelism.hlo_text import (Instr, Module, first_group, memory_space, parse,
-                                  shape_bytes, shape_dims, source_target_pairs,
+from parallelism.hlo_text import (Instr, Module, first_group, kernel_grid, memory_space,
+                                  parse, shape_bytes, shape_dims, source_target_pairs,
                                   tuple_element)
 
 FREE = {'parameter', 'get-tuple-element', 'tuple', 'constant', 'bitcast', 'after-all',
@@ -126,9 +131,12 @@ ALTERNATIVE = {'matmul_efficiency': 1.0, 'link_efficiency': 0.66}
 # (benchmarks/report.py): a collective-permute's fixed cost (launch and synchronization;
 # no public measurement, so 2 to 10 us), the links' achieved fraction of the data sheet
 # (0.66: the calibration's other fit; 1.0: this fit), and HBM's (0.85: a DMA engine's
-# transfers competing with compute for it; 1.0: the data sheet).
+# transfers competing with compute for it; 1.0: the data sheet), and a Pallas kernel's
+# block matmuls against XLA's (1.12: the Pallas matmul guide's 0.975 of peak over the
+# calibrated 0.87; 0.8: small blocks that fill the MXU worse than its table shows, no
+# public measurement; hardware.PALLAS_STEP_SECONDS).
 BAND = {'step_latency': (2e-6, 5e-6, 10e-6), 'link_efficiency': (0.66, 0.8, 1.0),
-        'hbm_efficiency': (0.85, 1.0)}
+        'hbm_efficiency': (0.85, 1.0), 'kernel_efficiency': (0.8, 1.0, 1.12)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +151,13 @@ class Chip:
   matmul_efficiency: float = 1.0  # achieved / peak matmul rate
   link_efficiency: float = 1.0    # achieved / data-sheet link bandwidth
   hbm_efficiency: float = 1.0     # achieved / data-sheet HBM bandwidth
+  # Pallas kernels (parallelism/kernels.py): the TensorCores one may split over, the MXU's
+  # width, a grid step's fixed cost and its block matmuls' rate relative to XLA's
+  # (matmul_efficiency; 1: as fast, hardware.PALLAS_STEP_SECONDS says why)
+  tensorcores: int = 1
+  mxu: int = 128
+  kernel_step_seconds: float = hardware.PALLAS_STEP_SECONDS
+  kernel_efficiency: float = 1.0
 
   @classmethod
   def from_profile(cls, name: str, calibrated: bool = True) -> 'Chip':
@@ -151,8 +166,9 @@ class Chip:
     if not p.hbm_bandwidth:
       raise ValueError(f'hardware profile {name!r} has no HBM bandwidth to model with')
     fitted = (MATMUL_EFFICIENCY, LINK_EFFICIENCY) if calibrated else (1.0, 1.0)
+    cores = dict(tensorcores=p.tpu.tensorcores, mxu=p.tpu.mxu) if p.tpu else {}
     return cls(name, p.peak_flops, p.hbm_bandwidth, p.link_bandwidth, p.ring_links,
-               p.step_latency, *fitted)
+               p.step_latency, *fitted, **cores)
 
   @property
   def matmul_rate(self) -> float:
@@ -170,8 +186,8 @@ class Chip:
 def band_chips(chip: Chip) -> list[tuple[dict, Chip]]:
   """``chip`` under the settings of ``BAND``: each setting's middle value, each setting
   at its ends with the others in the middle, then every setting at its slow end and
-  every setting at its fast end (each distinct setting once). A ratio's band is its min / median / max
-  over them, each setting applied to both programs of the ratio."""
+  every setting at its fast end (each distinct setting once). A ratio's band is its
+  min / median / max over them, each setting applied to both programs of the ratio."""
   middle = {k: v[len(v) // 2] for k, v in BAND.items()}
   settings = [middle]
   for key, values in BAND.items():
@@ -226,53 +242,6 @@ def dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
   m = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}', ins.attrs)
   contracted = math.prod(lhs[int(c)] for c in m.group(1).split(',') if c) if m else 1
   return 2.0 * math.prod(shape_dims(ins.shape)) * contracted
-
-
-# The matmuls of [t, s] size each splash attention kernel runs per query-key
-# block pair it visits: forward q.k and p.v; dq recomputes q.k, then do.v and
-# ds.k; dkv recomputes q.k, then do.v, p.do and ds.q.
-SPLASH_MATMULS = {'fwd': 2, 'dq': 3, 'dkv': 4}
-
-
-def splash_flops(ins: Instr, shapes: dict[str, str]) -> float:
-  """Matmul FLOPs of a splash attention kernel (a ``tpu_custom_call``), else 0.
-
-  Read from its name (``splash_mha_{fwd,dq,dkv}...``), the shapes of q
-  ``[..., heads, t, head_dim]`` and k (its first two floating-point operands of
-  rank 3 or more: the compiler drops a batch of one) and the
-  kernel's block sizes (its ``xprof_metadata``). The mask is causal (the only
-  one models/attention.py builds): a query block visits the key blocks up to
-  its last row; document masks skip no more blocks than that.
-  """
-  kind = re.match(r'splash_mha_(fwd|dq|dkv)', ins.name)
-  if not kind or 'tpu_custom_call' not in ins.attrs:
-    return 0.0
-  floats = [shapes.get(o, '') for o in ins.operands]
-  q, k = [shape_dims(x) for x in floats if re.match(r'(bf16|f16|f32)\[', x)
-          and len(shape_dims(x)) >= 3][:2]  # [batch (absent at 1),] heads, length, head_dim
-  suffix = '' if kind.group(1) == 'fwd' else '_' + kind.group(1)
-  block = lambda key: int(re.search(rf'block_{key}{suffix}\\?": (\d+)', ins.attrs).group(1))
-  t, s, bq, bkv = q[-2], k[-2], block('q'), block('kv')
-  visited = sum(min(-(-(i + 1) * bq // bkv), -(-s // bkv)) for i in range(-(-t // bq)))
-  pairs = visited * bq * bkv
-  return 2.0 * SPLASH_MATMULS[kind.group(1)] * math.prod(q[:-2]) * pairs * q[-1]
-
-
-def kernel_cost(ins: Instr) -> tuple[float, float] | None:
-  """(FLOPs, HBM bytes) a Pallas kernel declares (``pl.CostEstimate``, printed in its
-  ``tpu_custom_call``'s backend config), or None. A kernel that reads blocks of its
-  operands (``parallelism/pair_sums.py``: two blocks of rows of a whole activation, and
-  half of another's columns) moves fewer bytes than its operands hold; its own estimate
-  says how many (tests/test_tpu_aot.py checks ours against its shapes). The splash
-  kernels declare none."""
-  if 'tpu_custom_call' not in ins.attrs:
-    return None
-  found = re.search(r'cost_estimate\\?"\s*:\s*\{([^}]*)\}', ins.attrs)
-  if not found:
-    return None
-  value = lambda key: float(re.search(rf'{key}\\?"\s*:\s*\\?"?([0-9.e+]+)',
-                                      found.group(1)).group(1))
-  return value('flops'), value('bytes_accessed')
 
 
 class _Costs:
@@ -677,12 +646,17 @@ class _Model:
   def _compute(self, ins: Instr, comp: str, tl: Timeline) -> tuple[float, float]:
     f = self.costs.instr_flops(ins, comp)
     b = self.costs.instr_bytes(ins, comp)
-    c = max(f / self.chip.matmul_rate, b / self.chip.hbm_rate)
+    grid = kernel_grid(ins) if ins.opcode == 'custom-call' else None
+    if grid is not None:  # a Pallas kernel: priced from its grid
+      c, mxu, steps = kernel_seconds(grid, f, b, self.chip)
+    else:
+      mxu, steps = f / self.chip.matmul_rate, 0.0
+      c = max(mxu, b / self.chip.hbm_rate)
     tl.seconds += c
     tl.compute += c
     tl.flops += f
     tl.hbm_bytes += b
-    for term, seconds in compute_terms(ins.op_name, f / self.chip.matmul_rate, c):
+    for term, seconds in compute_terms(ins.op_name, mxu, c, steps):
       tl.by_term[term] = tl.by_term.get(term, 0.0) + seconds
     by = tl.by_op if not f else tl.by_kernel if ins.opcode == 'custom-call' else None
     if by is not None:
@@ -849,8 +823,8 @@ def split_exposed_key(key: str) -> tuple[str, str]:
 
 
 COMPUTE_TERMS = ('matmul at MXU rate', 'matmul HBM-bound excess', 'non-matmul',
-                 'partial-sum additions')
-MXU, HBM_EXCESS, NON_MATMUL, ADDITIONS = COMPUTE_TERMS
+                 'partial-sum additions', 'Pallas grid steps')
+MXU, HBM_EXCESS, NON_MATMUL, ADDITIONS, GRID_STEPS = COMPUTE_TERMS
 
 
 def term_key(where: str, term: str) -> str:
@@ -859,20 +833,23 @@ def term_key(where: str, term: str) -> str:
   return f'{where}: {term}'
 
 
-def compute_terms(op_name: str, mxu_seconds: float, seconds: float) -> list[tuple[str, float]]:
+def compute_terms(op_name: str, mxu_seconds: float, seconds: float,
+                  grid_steps: float = 0.0) -> list[tuple[str, float]]:
   """One instruction's compute time split into terms, each ``(where, term)``: where is
   ``ring`` for instructions of a decomposed collective einsum (their op_name names
   ``collective_einsum``), else ``plain``; the terms are its matmul FLOPs at the MXU rate,
   the time its HBM traffic takes beyond that (memory-bound matmuls), or all of it for an
   instruction with no matmul (elementwise work, copies, reductions, updates), where a
   ring's additions of partial sums (op_name under ``ring.ADDITIONS_SCOPE``) are a term of
-  their own."""
+  their own. A Pallas kernel's ``grid_steps`` (its grid steps' fixed cost, part of
+  ``seconds``) are a term of their own too."""
   where = 'ring' if RING_SCOPE in op_name else 'plain'
+  steps = [(term_key(where, GRID_STEPS), grid_steps)] if grid_steps else []
   if not mxu_seconds:
     adds = where == 'ring' and f'/{ADDITIONS_SCOPE}/' in op_name
-    return [(term_key(where, ADDITIONS if adds else NON_MATMUL), seconds)]
+    return [(term_key(where, ADDITIONS if adds else NON_MATMUL), seconds - grid_steps)] + steps
   return [(term_key(where, MXU), mxu_seconds),
-          (term_key(where, HBM_EXCESS), seconds - mxu_seconds)]
+          (term_key(where, HBM_EXCESS), seconds - grid_steps - mxu_seconds)] + steps
 
 
 def _carrier(ins: Instr, by_name: dict[str, Instr], pending: dict) -> str | None:

@@ -419,11 +419,14 @@ def test_band_settings_span_the_models_plausible_range():
   for key, values in step_model.BAND.items():  # every end of every setting is visited
     assert {s[key] for s in settings} == set(values)
   slow, fast = settings[-2:]
-  assert slow == {'step_latency': 10e-6, 'link_efficiency': 0.66, 'hbm_efficiency': 0.85}
-  assert fast == {'step_latency': 2e-6, 'link_efficiency': 1.0, 'hbm_efficiency': 1.0}
+  assert slow == {'step_latency': 10e-6, 'link_efficiency': 0.66, 'hbm_efficiency': 0.85,
+                  'kernel_efficiency': 0.8}
+  assert fast == {'step_latency': 2e-6, 'link_efficiency': 1.0, 'hbm_efficiency': 1.0,
+                  'kernel_efficiency': 1.12}
   for s, c in step_model.band_chips(chip):
     assert c.link_rate == chip.link_bandwidth * s['link_efficiency']
     assert c.hbm_rate == chip.hbm_bandwidth * s['hbm_efficiency']
+    assert c.kernel_efficiency == s['kernel_efficiency']
     assert c.matmul_rate == chip.matmul_rate  # the fitted matmul efficiency is kept
 
 

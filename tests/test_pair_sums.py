@@ -1,12 +1,14 @@
 """parallelism/pair_sums.py: a bidirectional weight-gradient ring's round as one Pallas
 kernel, run here in Pallas's interpreter (the TPU compile: tests/test_tpu_aot.py)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallelism import pair_sums
+from parallelism import hlo_text, kernels, pair_sums
 
 
 @pytest.mark.parametrize('p, q, by_p', [(1, 512, False), (2, 256, False), (4, 128, True)])
@@ -60,3 +62,22 @@ def test_blocks_fit_vmem_and_set_how_often_rows_are_read():
   assert flops == 2 * 2 * (2 * 160 * 4096) * (2 * 2048)  # two products over B x T
   # y's half once, both row blocks once per grid block, accumulators in and sums out
   assert hbm == 2 * 2048 * 2 * 4096 * 2 + 2 * (2 * 160 * 2048 * 2) * 4 + 4 * 2 * 160 * 4096 * 2
+
+
+@pytest.mark.parametrize('p, q, by_p, parallel', [
+    (24, 128, True, (2, 1)),     # 12 heads a half, which fit one block: two of 6
+    (1, 256, False, (1, 1)),     # one head of 128 columns a half: nothing to split
+    (1, 1024, False, (1, 2))])   # 512 columns a half, which fit one block: two of 256
+def test_the_grid_has_a_parallel_axis_of_two_wherever_the_shapes_allow(p, q, by_p, parallel):
+  # On v4 and v5p Mosaic splits a kernel between the chip's two TensorCores only along a
+  # parallel grid axis of 2 or more; the grid as the TPU lowering writes it (for the TPU,
+  # here on the CPU), its blocks of P' and columns parallel, tokens summed.
+  rows = 512 if q == 1024 else 160
+  xt = jax.ShapeDtypeStruct((2, 4 * rows, 1024), jnp.bfloat16)
+  y = jax.ShapeDtypeStruct((p, 2, 1024, q), jnp.bfloat16)
+  acc = jax.ShapeDtypeStruct((p // 2, rows, q) if by_p else (p, rows, q // 2), jnp.bfloat16)
+  call = lambda *a: pair_sums.pair_sums(*a, 0, 1, half=1, interpret=False)
+  text = jax.jit(call).trace(xt, y, acc, acc).lower(lowering_platforms=('tpu',)).as_text()
+  grid = hlo_text.mosaic_grid(re.search(r'body\\22: \\22([A-Za-z0-9+/=]+)', text).group(1))
+  assert grid.bounds == parallel + (2, 2) and grid.parallel == (True, True, False, False)
+  assert kernels.cores_used(grid, 2) == (2 if max(parallel) > 1 else 1)

@@ -1,10 +1,17 @@
 """The analytical step model on hand-built schedules with known answers."""
 
+import dataclasses
+import functools
 import os
+import re
 
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 import pytest
 
-from parallelism import hardware, hlo_text, step_model
+from parallelism import hardware, hlo_text, kernels, step_model
 from parallelism import ring as ring_lib
 
 # A ring step in a loop: a permute in flight over one matmul, three times, then a
@@ -410,13 +417,37 @@ ENTRY %main (p0: bf16[2,4,1024,128], p1: bf16[2,1,1024,128]) -> bf16[2,4,1024,12
   %mask = s8[1,2,2]{2,1,0} constant({...})
   %splash_mha_fwd_segmented_residuals.3 = (bf16[2,4,1024,128]{3,2,1,0}) custom-call(%mask, %p0, %p1, %p1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
 "xprof_metadata":"{\"block_q\": 512, \"block_kv\": 512, \"block_q_dq\": 256}"
-}}, metadata={op_name="jit(train_step)/splash_mha_fwd/pallas_call"}
+}}, metadata={op_name="jit(train_step)/splash_mha_fwd/pallas_call"}, backend_config={"custom_call_config":{"body":"FWD"}}
   %splash_mha_dkv_no_residuals.1 = (bf16[2,1,1024,128]{3,2,1,0}) custom-call(%mask, %p0, %p1, %p1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
 "xprof_metadata":"{\"block_q_dkv\": 256, \"block_kv_dkv\": 512}"
-}}, metadata={op_name="jit(train_step)/splash_mha_dkv/pallas_call"}
+}}, metadata={op_name="jit(train_step)/splash_mha_dkv/pallas_call"}, backend_config={"custom_call_config":{"body":"DKV"}}
   ROOT %out = bf16[2,4,1024,128]{3,2,1,0} get-tuple-element(%splash_mha_fwd_segmented_residuals.3), index=0
 }
 """
+
+
+@functools.cache
+def mosaic_body(grid: tuple, semantics: tuple, block=(128, 128, 128)) -> str:
+  """The Mosaic body (base64) of a Pallas kernel of ``grid`` with these dimension
+  semantics and one block matmul of ``block`` (m, k, n), lowered for TPU on this CPU."""
+  m, k, n = block
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+  first = lambda *_: (0, 0)
+  call = pl.pallas_call(kernel, grid=grid, in_specs=[pl.BlockSpec((m, k), first),
+                                                     pl.BlockSpec((k, n), first)],
+                        out_specs=pl.BlockSpec((m, n), first),
+                        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+                        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics))
+  text = jax.jit(call).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(
+      (k, n), jnp.bfloat16)).lower(lowering_platforms=('tpu',)).as_text()
+  return re.search(r'body\\22: \\22([A-Za-z0-9+/=]+)', text).group(1)
+
+
+# the splash kernels' grids: heads (parallel), query blocks, key blocks; dkv all arbitrary
+SPLASH = SPLASH.replace('FWD', mosaic_body((4, 2, 2), ('parallel', 'arbitrary', 'arbitrary'),
+                                           (512, 128, 512)))
+SPLASH = SPLASH.replace('DKV', mosaic_body((1, 2, 2), ('arbitrary',) * 3, (512, 128, 512)))
 
 
 def test_splash_kernels_count_their_causal_blocks():
@@ -523,11 +554,11 @@ def test_an_async_copy_crosses_hbm_once_for_each_end_there():
 def test_a_kernel_that_declares_its_cost_is_costed_as_it_declares():
   # A Pallas kernel's pl.CostEstimate, in its backend config (parallelism/pair_sums.py's
   # reads blocks of its operands: fewer bytes than they hold); the splash kernels declare none.
+  body = mosaic_body((1, 2, 2), ('arbitrary',) * 3, (512, 128, 512))
   declared = SPLASH.replace(
-      'metadata={op_name="jit(train_step)/splash_mha_dkv/pallas_call"}',
-      'metadata={op_name="jit(train_step)/ring_pair_sums/pallas_call"}, backend_config={'
-      '"custom_call_config":{"body":"x","cost_estimate":{"flops":"1000000000",'
-      '"transcendentals":"0","bytes_accessed":"3000000","remote_bytes_transferred":"0"}}}')
+      'splash_mha_dkv/pallas_call"}', 'ring_pair_sums/pallas_call"}').replace(
+      f'"body":"{body}"}}', f'"body":"{body}","cost_estimate":{{"flops":"1000000000",'
+      '"transcendentals":"0","bytes_accessed":"3000000","remote_bytes_transferred":"0"}}')
   dkv = [i for instrs in step_model.parse(declared).computations.values() for i in instrs
          if i.name.startswith('splash_mha_dkv')][0]
   assert step_model.kernel_cost(dkv) == (1e9, 3e6)
@@ -537,3 +568,106 @@ def test_a_kernel_that_declares_its_cost_is_costed_as_it_declares():
   assert splash != pytest.approx(fwd + 1e9)
   assert all(step_model.kernel_cost(i) is None for instrs in
              step_model.parse(SPLASH).computations.values() for i in instrs)
+
+
+def kernel_program(grid: tuple, semantics: tuple, flops: float, hbm_bytes: float,
+                   block=(128, 128, 128), body: str = '') -> str:
+  """A program of one Pallas kernel of ``grid`` that declares ``flops`` and ``hbm_bytes``."""
+  body = body or mosaic_body(grid, semantics, block)
+  return f"""HloModule kernel, is_scheduled=true, num_partitions=1
+
+ENTRY %main (p0: bf16[128,128]) -> f32[128,128] {{
+  %p0 = bf16[128,128]{{1,0}} parameter(0)
+  ROOT %kernel.1 = f32[128,128]{{1,0}} custom-call(%p0), custom_call_target="tpu_custom_call", metadata={{op_name="jit(f)/kernel/pallas_call"}}, backend_config={{"custom_call_config":{{"body":"{body}","cost_estimate":{{"flops":"{flops:.0f}","transcendentals":"0","bytes_accessed":"{hbm_bytes:.0f}"}}}}}}
+}}
+"""
+
+
+@pytest.mark.parametrize('chip', ['tpu_v4', 'tpu_v5p'])
+def test_a_kernel_without_a_parallel_axis_of_two_runs_on_one_of_two_tensorcores(chip):
+  # Mosaic splits a kernel over a v4 or v5p chip's two TensorCores only along a grid axis
+  # marked parallel, of 2 or more: without one, its matmuls run at half the chip's peak.
+  c = step_model.Chip.from_profile(chip)
+  assert c.tensorcores == 2 and hardware.PROFILES[chip].tpu.chip_config_name == 'megacore'
+  core = c.peak_flops / 2 * step_model.MATMUL_EFFICIENCY  # a kernel's matmuls as XLA's
+  flops = 1e12
+  for grid, semantics, cores in [((8,), ('arbitrary',), 1),
+                                 ((1, 8), ('parallel', 'arbitrary'), 1),
+                                 ((2, 4), ('arbitrary', 'arbitrary'), 1),
+                                 ((2, 4), ('arbitrary', 'parallel'), 2),
+                                 ((2, 4), ('parallel', 'arbitrary'), 2),
+                                 ((3, 4), ('parallel', 'arbitrary'), 1.5)]:  # 2 of 3 on one
+    r = step_model.analyze(kernel_program(grid, semantics, flops, 0), c)
+    steps = 8 if grid != (3, 4) else 12
+    assert r.compute_seconds == pytest.approx(
+        flops / (cores * core) + steps / cores * c.kernel_step_seconds), (grid, semantics)
+    assert r.kernels_by_op == {'jit(f)/kernel/pallas_call': pytest.approx(r.compute_seconds)}
+  # a chip of one TensorCore runs any kernel at its whole peak
+  v5e = step_model.Chip.from_profile('tpu_v5e')
+  r = step_model.analyze(kernel_program((8,), ('arbitrary',), flops, 0), v5e)
+  assert r.compute_seconds == pytest.approx(
+      flops / v5e.matmul_rate + 8 * v5e.kernel_step_seconds)
+
+
+def test_each_grid_step_of_a_kernel_costs_its_fixed_overhead():
+  c = step_model.Chip.from_profile('tpu_v4')
+  r = step_model.analyze(kernel_program((4, 16), ('arbitrary', 'arbitrary'), 0, 0), c)
+  assert r.compute_seconds == pytest.approx(64 * hardware.PALLAS_STEP_SECONDS)
+  assert r.compute_terms['plain: Pallas grid steps'] == pytest.approx(r.compute_seconds)
+  # bytes beyond the matmuls' time: HBM-bound, the steps on top
+  flops, hbm = 1e9, 1e9
+  r = step_model.analyze(kernel_program((4, 16), ('parallel', 'arbitrary'), flops, hbm), c)
+  assert r.compute_seconds == pytest.approx(hbm / c.hbm_bandwidth + 32 * c.kernel_step_seconds)
+  assert sum(r.compute_terms.values()) == pytest.approx(r.compute_seconds)
+  assert r.compute_terms['plain: matmul at MXU rate'] == pytest.approx(flops / c.matmul_rate)
+
+
+def test_block_matmuls_narrower_than_the_mxu_waste_it():
+  # A contracted or output width below the MXU's (128; 256 on v6e) pads to it.
+  grid = lambda block: hlo_text.mosaic_grid(mosaic_body((2,), ('parallel',), block))
+  assert grid((256, 64, 128)).matmuls == ((256, 64, 128),)
+  assert kernels.tile_efficiency(grid((256, 128, 128)), 128) == 1.0
+  assert kernels.tile_efficiency(grid((256, 64, 128)), 128) == 0.5
+  assert kernels.tile_efficiency(grid((8, 512, 384)), 256) == 0.75
+  assert kernels.tile_efficiency(grid((256, 128, 128)), 256) == 0.25
+  v4, v6e = (step_model.Chip.from_profile(c) for c in ('tpu_v4', 'tpu_v6e'))
+  assert v6e.mxu == 256 and v4.mxu == 128
+  flops = 1e12
+  seconds = lambda block, chip: step_model.analyze(
+      kernel_program((2,), ('parallel',), flops, 0, block), chip).compute_seconds
+  steps = 2 / 2 * v4.kernel_step_seconds
+  assert seconds((256, 64, 128), v4) - steps == pytest.approx(2 * (seconds((256, 128, 128), v4)
+                                                                   - steps))
+  assert seconds((256, 128, 128), v6e) == pytest.approx(
+      flops / (v6e.matmul_rate * 0.25) + 2 * v6e.kernel_step_seconds)
+
+
+# The Pallas TPU matmul guide's measured table (v5e, bf16; configs/calibration/SOURCES.md
+# 3A): (block m, k, n), matrix size, seconds a call, Python's dispatch included.
+PALLAS_GUIDE = [((128, 128, 128), 1024, 0.00029766598949208854),
+                ((128, 128, 128), 4096, 0.011771515250438824),
+                ((128, 128, 128), 8192, 0.09183577066054567),
+                ((512, 1024, 1024), 1024, 0.00012708659982308746),
+                ((512, 1024, 1024), 4096, 0.00088908776990138),
+                ((512, 1024, 1024), 8192, 0.006099433819763363)]
+
+
+def test_the_kernel_step_reproduces_the_pallas_guides_table():
+  # hardware.PALLAS_STEP_SECONDS, with the guide's dispatch and block matmuls' efficiency
+  # (the fit's other two constants, 116 us and 0.975), times each of its rows within 2% on
+  # a v5e
+  v5e = dataclasses.replace(step_model.Chip.from_profile('tpu_v5e'), matmul_efficiency=0.975)
+  for (bm, bk, bn), n, measured in PALLAS_GUIDE:
+    grid = hlo_text.KernelGrid((n // bm, n // bn, n // bk), (True, True, False), ((bm, bk, bn),))
+    seconds, _, _ = kernels.kernel_seconds(grid, 2 * n ** 3, 0, v5e)
+    assert seconds + 116e-6 == pytest.approx(measured, rel=0.02), (bm, n)
+
+
+def test_a_kernel_whose_grid_cannot_be_read_is_refused_by_name():
+  program = kernel_program((2,), ('parallel',), 1e9, 0, body='AAAA')
+  with pytest.raises(ValueError, match=r'Pallas kernel %kernel.1 \(jit\(f\)/kernel/pallas_call\)'
+                     r': cannot read its grid'):
+    step_model.analyze(program, CHIP)
+  no_body = program.replace('"body":"AAAA",', '')
+  with pytest.raises(ValueError, match='carries no Mosaic body'):
+    step_model.analyze(no_body, CHIP)

@@ -14,6 +14,7 @@ import pytest
 
 from launch import aot
 from parallelism import hardware, hlo_text, pair_sums, step_model
+from parallelism import kernels as kernels_lib
 from tests.conftest import ROOT
 from trainer.hints import install_hint
 
@@ -137,7 +138,7 @@ def test_a_weight_gradient_ring_runs_each_round_as_one_kernel(additions):
   # ring_additions='fused' leaves its additions a pass of their own after each round's
   # einsum; 'kernel' runs each round's half as one Pallas kernel (parallelism/pair_sums.py)
   # that adds both directions' accumulators as it writes, and the step model costs each
-  # kernel as it declares, its FLOPs and bytes those of the shapes it runs.
+  # kernel as it declares, its FLOPs and bytes those of the shapes it runs, on its grid.
   hlo = _compile('bidirectional', 'wg', layers=1, additions=additions)
   module = hlo_text.parse(hlo)
   # launch.aot names the rings whose rounds run as kernels, with their modeled time
@@ -161,3 +162,8 @@ def test_a_weight_gradient_ring_runs_each_round_as_one_kernel(additions):
     assert xt == [1, 4096, 1024] and acc == [1, 512, 2048], (xt, acc)  # [B, D, T], [P', rows, Q']
     # a 512-row block's buffers fit VMEM with 512 columns (tests/test_pair_sums.py)
     assert step_model.kernel_cost(ins) == pair_sums.cost(xt, acc, 2, 2, (1, 512))
+    # its grid, read from the compiled kernel: 4 blocks of columns, parallel, so both of a
+    # v4 chip's TensorCores share it; then the batch and 2 token tiles, summed
+    grid = hlo_text.kernel_grid(ins)
+    assert grid.bounds == (1, 4, 1, 2) and grid.parallel == (True, True, False, False), grid
+    assert kernels_lib.cores_used(grid, 2) == 2 and grid.matmuls == ((512, 512, 512),) * 2
