@@ -36,7 +36,7 @@ train: $(TRAIN_STAMP)
 # one core. The slowest tests are listed at the end (the suite's budget is 15 minutes).
 TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 # 500 steps of the default config, synchronizing every step (see trainer/loop.py).
 soak: $(TRAIN_STAMP)

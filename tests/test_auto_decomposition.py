@@ -18,6 +18,10 @@ from parallelism import hlo_text, pair_sums, report
 from tests.test_cli import DEFAULT, TINY
 from trainer import loop, state, step, train
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_auto_decomposition')
+
 
 def _run(workdir, *overrides):
   args = argparse.Namespace(config=DEFAULT, workdir=str(workdir))

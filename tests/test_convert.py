@@ -16,6 +16,10 @@ from safetensors import safe_open
 from trainer import convert
 from trainer.hints import install_hint
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_convert')
+
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 transformers.logging.set_verbosity_error()

@@ -25,6 +25,10 @@ from tests.test_cli import DEFAULT, TINY
 from tests.test_generate import PROMPT, SMALL
 from trainer import checkpoint, generate, loop, tokenizer, train
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_guarantees')
+
 SIX = ['--config.steps=6', '--config.eval_every=2']  # checkpoints at 2, 4 and 6
 
 

@@ -20,6 +20,10 @@ from tests.test_prepare import _word_tokenizer
 from tests.test_readme import COMMANDS
 from trainer import checkpoint, config as config_lib, convert, hints, optim, plot, prepare, train
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_papercuts')
+
 # ---- commands ---------------------------------------------------------------------------
 
 

@@ -14,6 +14,10 @@ from tests.test_cli import TINY
 from trainer import plot, train
 from trainer.hints import install_hint
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_profile_plot')
+
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
 # The packages of the optional extras plot, tpu and hf (setup.py), blocked during the run below.
 OPTIONAL = ('matplotlib', 'libtpu', 'torch', 'transformers')

@@ -15,6 +15,10 @@ from tests.test_checkpoint import RUN, _losses, _main
 from tests.test_cli import DEFAULT
 from trainer import checkpoint, metrics, runtime, train
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_safety')
+
 STRAIGHT = ['--config.steps=4']
 
 

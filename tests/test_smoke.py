@@ -10,6 +10,10 @@ import pytest
 from tests.conftest import ROOT
 from trainer import compression, train
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_smoke')
+
 SMOKE = os.path.join(ROOT, 'configs', 'smoke.py')
 
 

@@ -13,6 +13,10 @@ from models.transformer import Transformer, TransformerConfig
 from tests.conftest import ROOT
 from trainer import config, data, pipeline, step, tokenizer, train
 
+# Its module fixture is costly: its tests stay on one pytest worker, which builds it once
+# (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group('test_tokenizer')
+
 TEXT = ''.join(f'def f{i}(x):\n    return x * {i}  # héllo wörld ☃\n\n' for i in range(60))
 UNSEEN = 'x = 1\n\n  naïve ☃ 🎉 end\tZZZ'  # characters and emoji the training text lacks
 
