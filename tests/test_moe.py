@@ -228,8 +228,8 @@ def test_routing_is_causal():
 
 def test_moe_small_trains_through_the_cli(tmp_path, capsys):
   workdir = tmp_path / 'moe'
-  code = train.main(['--config', MOE_SMALL, '--workdir', str(workdir), '--config.steps=30',
-                     '--config.seq_len=64', '--config.log_every=5', '--config.eval_every=0',
+  code = train.main(['--config', MOE_SMALL, '--workdir', str(workdir), '--config.steps=12',
+                     '--config.seq_len=64', '--config.log_every=4', '--config.eval_every=0',
                      '--config.eval_steps=2', '--config.checkpoint.every=0'])
   assert code == 0
   assert '2/2 expert all-to-alls chunked' in capsys.readouterr().out
