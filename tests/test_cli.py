@@ -25,8 +25,8 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.model.scan_layers=maybe'], 'is not a valid bool'),
     (['--config.data.path=/no/such/file.txt'], "data.path='/no/such/file.txt' matches no file"),
     (['--config.data.path=/no/such/tokens.npy'], 'does not exist'),
-    (['--config.batch_size=7'], 'batch_size=7 is not divisible by data*fsdp=2'),
-    (['--config.mesh.data=3'], 'mesh size product 12'),
+    (['--config.batch_size=7'], 'batch_size=7 is not divisible by data*fsdp=4'),
+    (['--config.mesh.data=3'], 'mesh size product 6'),
     (['--config.mesh.data=-1', '--config.mesh.tensor=-1'], 'at most one mesh size may be -1'),
     (['--config.seq_len=2048'], 'seq_len=2048 exceeds model.max_seq_len=1024'),
     (['--config.hardware.name=tpu_v9'], "hardware.name='tpu_v9'"),
@@ -190,7 +190,7 @@ def test_three_step_run_through_the_cli(tmp_path):
   assert '% of it in device steps (goodput)' in proc.stdout
   config = json.loads((workdir / 'config.json').read_text())
   assert config['steps'] == 3 and config['model']['d_model'] == 32
-  assert config['hardware']['name'] == 'cpu' and 'data=2 x fsdp=1 x tensor=4' in proc.stdout
+  assert config['hardware']['name'] == 'cpu' and 'data=4 x fsdp=1 x tensor=2' in proc.stdout
   assert 'libtpu' not in proc.stderr  # JAX never looked for a TPU
   assert any(name.startswith('events.') for name in os.listdir(workdir / 'tb'))
 

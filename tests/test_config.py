@@ -40,7 +40,7 @@ def test_help_lists_every_key_with_its_type_and_default(module):
   shown = config_lib._shown_type  # pylint: disable=protected-access
   for key, kind in config_lib.key_types().items():
     assert f'config.{key} ({shown(kind)}, default ' in text, key
-  assert 'config.optimizer.learning_rate (float, default 0.003): peak learning rate' in text
+  assert 'config.optimizer.learning_rate (float, default 0.004): peak learning rate' in text
 
 
 def test_a_misspelled_key_exits_2_suggesting_the_right_one(tmp_path, capsys):
@@ -67,7 +67,7 @@ def test_overrides_are_typed_and_the_config_is_frozen():
                                   "--config.mesh.logical_axis_rules=[['batch', None]]"])
   assert cfg.stop_after == 5 and cfg.optimizer.b1 == 1.0 and isinstance(cfg.optimizer.b1, float)
   assert cfg.mesh.logical_axis_rules == (('batch', None),)
-  assert cfg.replace({'model.d_model': 64}).model.d_model == 64 and cfg.model.d_model == 256
+  assert cfg.replace({'model.d_model': 64}).model.d_model == 64 and cfg.model.d_model == 128
   with pytest.raises(AttributeError):
     cfg.model.d_model = 1  # frozen: nothing below the entry point changes it
   with pytest.raises(config_lib.ConfigError, match="config.stop_after='x' is not a valid int"):

@@ -9,7 +9,7 @@ The reference (tests/data/default_run.json) was written by this test with
 ``RINGTRAIN_WRITE_REFERENCE=1`` on the code before a refactor; a change that
 means to alter the numbers rewrites it the same way and says why. Writing fails the
 test, so that the run is checked only by a rerun without the variable. The run is
-the default config (model, mesh data=2 x tensor=4, every dense layer
+the default config (model, mesh data=4 x tensor=2, every dense layer
 decomposed, AdamW) for 3 steps, one held-out batch, no checkpoints.
 """
 

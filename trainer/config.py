@@ -48,13 +48,13 @@ def _group(cls: type) -> Any:
 class Model:
   """The Transformer (models/transformer.py; attention: models/attention.py)."""
   vocab_size: int = _key(264, 'output classes; byte-level data needs at least 257')
-  d_model: int = _key(256, 'embedding width (`embed`)')
+  d_model: int = _key(128, 'embedding width (`embed`)')
   num_layers: int = _key(4, 'Transformer blocks (`layers`)')
-  num_heads: int = _key(8, 'query heads (`heads`)')
+  num_heads: int = _key(4, 'query heads (`heads`)')
   num_kv_heads: int = _key(4, 'key/value heads (`kv_heads`); grouped-query when below '
                               '`num_heads`')
   head_dim: int = _key(32, 'per-head width (`head_dim`)')
-  mlp_dim: int = _key(1024, 'SwiGLU hidden width (`mlp`)')
+  mlp_dim: int = _key(512, 'SwiGLU hidden width (`mlp`)')
   max_seq_len: int = _key(1024, 'longest sequence accepted')
   rope_theta: float = _key(10_000.0, 'rotary embedding base')
   norm_eps: float = _key(1e-6, 'RMSNorm epsilon')
@@ -116,12 +116,12 @@ class Moe:
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
   """AdamW and the learning-rate schedule (trainer/optim.py, trainer/step.py)."""
-  learning_rate: float = _key(3e-3, 'peak learning rate')
+  learning_rate: float = _key(4e-3, 'peak learning rate')
   schedule: str = _key('cosine', 'after the warmup: cosine | linear (decay to end_lr_fraction '
                                  'x peak at `steps`) | constant | wsd (the peak, then a linear '
                                  'decay over the last decay_fraction of the steps) | rsqrt '
                                  '(peak * sqrt(max(warmup_steps, 1) / step))')
-  warmup_steps: int = _key(50, 'linear warmup from 0 (at most `steps - 1`)')
+  warmup_steps: int = _key(30, 'linear warmup from 0 (at most `steps - 1`)')
   end_lr_fraction: float = _key(0.1, 'cosine, linear and wsd decay to this fraction of the '
                                      'peak at `steps`; in [0, 1]')
   decay_fraction: float = _key(0.2, 'wsd: fraction of `steps` (at the end) that decays; '
@@ -169,10 +169,10 @@ DEFAULT_RULES = (('batch', ('data', 'fsdp')), ('residual_length', 'tensor'), ('v
 @dataclasses.dataclass(frozen=True)
 class Mesh:
   """The device mesh (parallelism/mesh.py) and logical-axis rules (parallelism/sharding.py)."""
-  data: int = _key(2, 'data parallel (in-slice, ICI); one in-slice size may be -1; the product '
+  data: int = _key(4, 'data parallel (in-slice, ICI); one in-slice size may be -1; the product '
                       'with the dcn_* sizes must equal the device count')
   fsdp: int = _key(1, 'fully sharded data parallel (in-slice)')
-  tensor: int = _key(4, 'tensor (model) parallel (in-slice)')
+  tensor: int = _key(2, 'tensor (model) parallel (in-slice)')
   expert: int = _key(1, 'expert parallel (in-slice)')
   dcn_data: int = _key(1, 'data parallel across slices (multi-slice)')
   dcn_fsdp: int = _key(1, 'fsdp across slices')
@@ -255,7 +255,7 @@ class Parallelism:
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
   """Checkpoints in WORKDIR/checkpoints/<step> (trainer/checkpoint.py)."""
-  every: int = _key(100, 'steps between saves, plus one at the end and on SIGTERM; 0 turns '
+  every: int = _key(130, 'steps between saves, plus one at the end and on SIGTERM; 0 turns '
                          'saving off (a workdir with checkpoints still resumes)')
   keep: int = _key(3, 'most recent checkpoints kept')
   keep_period: int = _key(0, 'also keep every step divisible by this (0: none)')
@@ -320,15 +320,15 @@ class Aot:
 class Config:
   """A run: its length, batches and evals, then one group of keys per concern."""
   seed: int = _key(0, 'parameter init and data order (document shuffles, windows)')
-  steps: int = _key(300, 'run length and length of the LR schedule')
+  steps: int = _key(520, 'run length and length of the LR schedule')
   stop_after: int | None = _key(None, 'end this run after that step (as a preemption would: a '
                                       'checkpoint is saved); the schedule is unchanged')
-  batch_size: int = _key(16, 'global batch, in sequences; divisible by data*fsdp*'
+  batch_size: int = _key(32, 'global batch, in sequences; divisible by data*fsdp*'
                              'grad_accum_steps')
   seq_len: int = _key(256, 'tokens per packed sequence; at most model.max_seq_len')
   log_every: int = _key(10, 'steps between training records')
-  eval_every: int = _key(100, 'steps between evals; an eval always ends the run (0: only then)')
-  eval_steps: int = _key(8, 'fixed held-out batches per eval')
+  eval_every: int = _key(130, 'steps between evals; an eval always ends the run (0: only then)')
+  eval_steps: int = _key(4, 'fixed held-out batches per eval')
   init_from: str = _key('', "take parameters (only) from this checkpoint: a workdir, its "
                             "checkpoints/ or a step directory; any mesh ('': none)")
   on_nonfinite: str = _key('stop', 'NaN/inf loss or gradient norm: stop (exit 3, naming the '
