@@ -40,10 +40,12 @@ def _losses(workdir):
                                     # unidirectional rings, reduce-scatters' additions
                                     # fused in halves (the 500B's ring_additions)
                                     ['--config.mesh.data=1', '--config.mesh.fsdp=2',
+                                     '--config.mesh.tensor=4',
                                      '--config.model.fused_projections=true',
                                      '--config.parallelism.ring_additions=fused'],
                                     # the 500B's ring settings, on bidirectional rings
                                     ['--config.mesh.data=1', '--config.mesh.fsdp=2',
+                                     '--config.mesh.tensor=4',
                                      '--config.model.fused_projections=true',
                                      '--config.model.scan_layers=true',
                                      '--config.model.remat=minimal',
@@ -182,7 +184,8 @@ def test_bidirectional_gradients_agree_at_step_0(setups, tmp_path):
   # even ring: the opposite block in halves) and their gradients' give the plain step's
   # gradients.
   run = _run(tmp_path, '--config.parallelism.collective_matmul=always',
-             '--config.parallelism.direction=bidirectional')
+             '--config.parallelism.direction=bidirectional', '--config.mesh.data=2',
+             '--config.mesh.tensor=4')
   s = loop.setup(run)
   modes = {d.mode for d, _ in s.ops.plan.values()}
   assert 'bidirectional' in modes and 'unidirectional' not in modes, modes

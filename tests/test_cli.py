@@ -16,6 +16,7 @@ TINY = ['--config.model.d_model=32', '--config.model.num_layers=1',
         '--config.model.head_dim=8', '--config.model.mlp_dim=64',
         '--config.batch_size=8', '--config.seq_len=32', '--config.eval_steps=2']
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
+TENSOR_4 = ['--config.mesh.data=2', '--config.mesh.tensor=4']  # 8 devices, a ring of 4
 
 
 @pytest.mark.parametrize('overrides, message', [
@@ -38,9 +39,9 @@ DEFAULT = os.path.join(ROOT, 'configs', 'default.py')
     (['--config.model.attention=flash'], "model.attention='flash' is not one of"),
     (['--config.model.num_kv_heads=3'], 'num_kv_heads=3'),
     (['--config.steps=0'], 'steps=0 must be at least 1'),
-    (['--config.model.num_kv_heads=2'], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),
+    (['--config.model.num_kv_heads=2', *TENSOR_4], 'blocks.0.attn.k_dkh dim 2 over tensor (4)'),
     (['--config.moe.num_experts=4', '--config.moe.top_k=5'], 'moe.top_k=5 must be in'),
-    (['--config.moe.num_experts=8', '--config.seq_len=32',
+    (['--config.moe.num_experts=8', '--config.seq_len=32', *TENSOR_4,
       "--config.mesh.logical_axis_rules=[['batch', 'data'], ['capacity', 'tensor']]"],
      'moe capacity 10 slots (seq_len=32, moe.capacity_factor=1.25) is not divisible by '
      'tensor=4'),

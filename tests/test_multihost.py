@@ -165,7 +165,8 @@ def test_launch_local_reads_the_command_as_the_trainer_does(tmp_path, monkeypatc
   monkeypatch.setattr(local, 'launch', lambda *a: started.append(a) or 0)
   run = tmp_path / 'run'
   base = ['--num_processes', '2', '--', *TRAIN, '--workdir', str(run)]
-  assert local.main([*base, '--config.mesh.tensor', '1', '--config.steps', '3']) == 0
+  assert local.main([*base, '--config.mesh.data', '2', '--config.mesh.tensor', '1',
+                     '--config.steps', '3']) == 0
   assert started[0][:2] == (2, 1)  # data=2 x tensor=1: one device each
   assert os.path.isdir(run / 'logs')
   run = tmp_path / 'bad'

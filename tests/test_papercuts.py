@@ -111,7 +111,7 @@ def test_the_schedule_change_names_each_key_and_nothing_when_unchanged():
   other = cfg.replace({'optimizer.learning_rate': 1e-3, 'optimizer.schedule': 'constant'})
   line = optim.schedule_change(before, cfg.steps, other.optimizer, 100)
   assert line.startswith("the learning-rate schedule differs from the checkpoint's "
-                         '(optimizer.learning_rate 0.003 -> 0.001, optimizer.schedule cosine '
+                         '(optimizer.learning_rate 0.004 -> 0.001, optimizer.schedule cosine '
                          '-> constant): the learning rate at step 100 is 0.001 ('), line
 
 
