@@ -496,11 +496,6 @@ BAND_TARGETS = {'dense_500b': (1.10, 1.14, 0.72), 'median_three_of_four': 1.14,
                 'min_all': 1.0}
 
 
-def _band(b: dict, digits: int = 3, percent: bool = False) -> str:
-  fmt = '.1%' if percent else f'.{digits}f'
-  return ' / '.join(format(b[k], fmt) for k in ('min', 'median', 'max'))
-
-
 def render_band(aot: dict) -> list[str]:
   """Each config's ratios and ours' MFU as min / median / max over the model's plausible
   settings (``step_model.band_chips``), and issue 64's targets read on them."""
@@ -510,17 +505,16 @@ def render_band(aot: dict) -> list[str]:
     if not ours or 'speedup_vs_best' not in ours:
       continue
     bands[name] = ours
-    rows.append([name] + [_band(ours[k]) + 'x' if k in ours else '-' for k in (
-        'speedup_vs_baseline', 'speedup_vs_xla', 'speedup_vs_best')] + [
-        _band(ours['mfu'], percent=True)])
+    rows.append([name] + [step_model.band_range(ours[k], '.3f') + 'x' if k in ours else '-'
+                          for k in ('speedup_vs_baseline', 'speedup_vs_xla', 'speedup_vs_best')]
+                + [step_model.band_range(ours['mfu'], '.1%')])
   if not rows:
     return ['Bands: none in these results (compiled before `launch.aot` modeled each '
             'program over the model\'s plausible settings; rerun `python -m benchmarks.report`).',
             '']
-  settings = '; '.join(f'`{k}` {" / ".join(map(str, v))}' for k, v in step_model.BAND.items())
   lines = ['Every ratio as min / median / max over the step model\'s plausible settings '
-           f'({settings}: `step_model.band_chips`; each setting applied to both programs '
-           'of a ratio), modeled:', '']
+           f'({step_model.band_settings()}: `step_model.band_chips`; each setting applied '
+           'to both programs of a ratio), modeled:', '']
   lines += _table(['config', 'ours / baseline', 'ours / xla', 'ours / the faster of the two',
                    'ours MFU'], rows)
   return lines + [''] + _band_targets(bands) + ['']

@@ -264,17 +264,18 @@ def worker(args, overrides) -> int:
   out['model'] = result.as_dict() | {'chip': dataclasses.asdict(chip), 'alternative': {
       'constants': step_model.ALTERNATIVE, 'step_seconds': other.step_seconds,
       'compute_seconds': other.compute_seconds,
-      'exposed_comm_seconds': other.exposed_comm_seconds}, 'band': band(module, chip, out)}
+      'exposed_comm_seconds': other.exposed_comm_seconds}, 'band': band(module, chip,
+                                                                          out['coords'])}
   out['jax'] = jax.__version__
   _write(args.out, out)
   return 0
 
 
-def band(module, chip: step_model.Chip, out: dict) -> list[dict]:
+def band(module, chip: step_model.Chip, coords) -> list[dict]:
   """The program modeled under each of ``step_model.band_chips``: its setting and times."""
   rows = []
   for setting, c in step_model.band_chips(chip):
-    r = step_model.analyze(module, c, out['coords'])
+    r = step_model.analyze(module, c, coords)
     rows.append({'setting': setting, 'step_seconds': r.step_seconds,
                  'compute_seconds': r.compute_seconds,
                  'exposed_comm_seconds': r.exposed_comm_seconds})
@@ -425,7 +426,7 @@ def ratio_bands(modeled: dict) -> None:
 
 def band_lines(modeled: dict) -> list[str]:
   """The text report's bands: each variant's MFU and ours' speedups, min / median / max."""
-  fmt = lambda b, f: ' / '.join(format(b[k], f) for k in ('min', 'median', 'max'))
+  fmt = step_model.band_range
   rows = [f'  {name} MFU {fmt(m["band"]["mfu"], ".1%")}' for name, m in modeled.items()
           if 'mfu' in m.get('band', {})]
   ours = modeled.get('ours', {}).get('band', {})
@@ -434,9 +435,8 @@ def band_lines(modeled: dict) -> list[str]:
       ('the faster of the two', 'speedup_vs_best')) if key in ours]
   if not rows:
     return []
-  settings = ', '.join(f'{k} {"/".join(map(str, v))}' for k, v in step_model.BAND.items())
   return ['', f"modeled band, min / median / max over the model's plausible settings "
-              f'({settings}; step_model.band_chips):'] + rows
+              f'({step_model.band_settings()}; step_model.band_chips):'] + rows
 
 
 def ring_terms(pairs: list[dict]) -> dict:

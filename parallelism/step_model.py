@@ -183,6 +183,16 @@ class Chip:
     return self.hbm_bandwidth * self.hbm_efficiency
 
 
+def band_settings() -> str:
+  """``BAND`` as the reports print it: each setting with its values."""
+  return '; '.join(f'{k} {" / ".join(map(str, v))}' for k, v in BAND.items())
+
+
+def band_range(b: dict, spec: str) -> str:
+  """A band (``{'min', 'median', 'max'}``) as ``min / median / max``, each formatted ``spec``."""
+  return ' / '.join(format(b[k], spec) for k in ('min', 'median', 'max'))
+
+
 def band_chips(chip: Chip) -> list[tuple[dict, Chip]]:
   """``chip`` under the settings of ``BAND``: each setting's middle value, each setting
   at its ends with the others in the middle, then every setting at its slow end and
