@@ -34,7 +34,7 @@ setup(
     extras_require={
         'plot': ['matplotlib>=3.8,<4'],  # trainer/plot.py, benchmarks/report.py
         'data': ['pyarrow>=15,<27'],     # Parquet input to trainer/prepare.py
-        'test': ['pytest>=8,<10', 'pytest-xdist>=3.5,<4', 'hypothesis>=6.100,<7'],
+        'test': ['pytest>=8,<9.2', 'pytest-xdist>=3.5,<4', 'hypothesis>=6.100,<7'],
         'tpu': ['libtpu==0.0.42.*'],  # ahead-of-time TPU compilation: must match jaxlib 0.10.2
         # NVIDIA GPUs (CUDA 12, with its pip-installed libraries): JAX's own extra, which pins
         # jax-cuda12-plugin to the installed jax's exact version (0.10.2 in constraints.txt).

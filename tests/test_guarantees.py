@@ -25,8 +25,8 @@ from tests.test_cli import DEFAULT, TINY
 from tests.test_generate import PROMPT, SMALL
 from trainer import checkpoint, generate, loop, tokenizer, train
 
-# Its module fixture is costly: meant to keep its tests on one worker under make test's
-# --dist loadgroup (built once); with pytest-xdist 3.8 here they still spread (untraced).
+# Its module fixture is costly: its tests stay on one worker under make test's
+# --dist loadgroup, so the fixture is built once (pytest 9.1; see constraints.txt).
 pytestmark = pytest.mark.xdist_group('test_guarantees')
 
 SIX = ['--config.steps=6', '--config.eval_every=2']  # checkpoints at 2, 4 and 6

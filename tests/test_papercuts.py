@@ -20,8 +20,8 @@ from tests.test_prepare import _word_tokenizer
 from tests.test_readme import COMMANDS
 from trainer import checkpoint, config as config_lib, convert, hints, optim, plot, prepare, train
 
-# Its module fixture is costly: meant to keep its tests on one worker under make test's
-# --dist loadgroup (built once); with pytest-xdist 3.8 here they still spread (untraced).
+# Its module fixture is costly: its tests stay on one worker under make test's
+# --dist loadgroup, so the fixture is built once (pytest 9.1; see constraints.txt).
 pytestmark = pytest.mark.xdist_group('test_papercuts')
 
 # ---- commands ---------------------------------------------------------------------------

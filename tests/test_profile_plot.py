@@ -14,8 +14,8 @@ from tests.test_cli import TINY
 from trainer import plot, train
 from trainer.hints import install_hint
 
-# Its module fixture is costly: meant to keep its tests on one worker under make test's
-# --dist loadgroup (built once); with pytest-xdist 3.8 here they still spread (untraced).
+# Its module fixture is costly: its tests stay on one worker under make test's
+# --dist loadgroup, so the fixture is built once (pytest 9.1; see constraints.txt).
 pytestmark = pytest.mark.xdist_group('test_profile_plot')
 
 DEFAULT = os.path.join(ROOT, 'configs', 'default.py')

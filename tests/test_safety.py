@@ -15,8 +15,8 @@ from tests.test_checkpoint import RUN, _losses, _main
 from tests.test_cli import DEFAULT
 from trainer import checkpoint, metrics, runtime, train
 
-# Its module fixture is costly: meant to keep its tests on one worker under make test's
-# --dist loadgroup (built once); with pytest-xdist 3.8 here they still spread (untraced).
+# Its module fixture is costly: its tests stay on one worker under make test's
+# --dist loadgroup, so the fixture is built once (pytest 9.1; see constraints.txt).
 pytestmark = pytest.mark.xdist_group('test_safety')
 
 STRAIGHT = ['--config.steps=4']

@@ -10,8 +10,8 @@ import pytest
 from tests.conftest import ROOT
 from trainer import compression, train
 
-# Its module fixture is costly: meant to keep its tests on one worker under make test's
-# --dist loadgroup (built once); with pytest-xdist 3.8 here they still spread (untraced).
+# Its module fixture is costly: its tests stay on one worker under make test's
+# --dist loadgroup, so the fixture is built once (pytest 9.1; see constraints.txt).
 pytestmark = pytest.mark.xdist_group('test_smoke')
 
 SMOKE = os.path.join(ROOT, 'configs', 'smoke.py')

@@ -13,8 +13,8 @@ from models.transformer import Transformer, TransformerConfig
 from tests.conftest import ROOT
 from trainer import config, data, pipeline, step, tokenizer, train
 
-# Its module fixture is costly: meant to keep its tests on one worker under make test's
-# --dist loadgroup (built once); with pytest-xdist 3.8 here they still spread (untraced).
+# Its module fixture is costly: its tests stay on one worker under make test's
+# --dist loadgroup, so the fixture is built once (pytest 9.1; see constraints.txt).
 pytestmark = pytest.mark.xdist_group('test_tokenizer')
 
 TEXT = ''.join(f'def f{i}(x):\n    return x * {i}  # héllo wörld ☃\n\n' for i in range(60))
