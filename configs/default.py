@@ -126,47 +126,21 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.parallelism = ml_collections.ConfigDict()
   # Decompose every eligible dense layer: on CPU this costs about nothing
-  # (python -m benchmarks.train_step) and shows the technique; on accelerators
-  # prefer 'auto', where the cost model decides per layer.
+  # (python -m benchmarks.train_step) and shows the technique; the default, 'auto', lets
+  # the cost model decide per layer (on CPU it decomposes nothing: nothing overlaps).
+  # How each ring runs is the planner's (parallelism/schedule.py; the parallelism report
+  # shows it): on CPU the simplest ring, on accelerators every refinement that applies.
   c.parallelism.collective_matmul = 'always'    # auto (cost model) | always | never
-  c.parallelism.direction = 'unidirectional'    # ring direction under 'always'
-  c.parallelism.unroll = 1                      # ring steps per loop iteration
   # Partial sums on the wire and between ring steps (rings, and the compiler's collectives
   # of plain einsums): compute (the model's dtype; each device adds in fp32) | float32.
   c.parallelism.ring_dtype = 'compute'
   # Weight-gradient rings under 'auto': any (the cost model's fastest form) | sharded (none
   # whose accumulator holds the gradient whole over fsdp: less memory, for tight models).
   c.parallelism.gradient_accumulators = 'any'
-  # Which layers' gradients 'auto' may ring: ringed_forward (only where the forward rings) |
-  # any_forward (also a weight gradient beside the compiler's forward, over fsdp where the
-  # compiler's reduce-scatter would block; pays on some layouts only: configs/v5p.py).
-  c.parallelism.gradient_rings = 'ringed_forward'
-  # How operands the rings slice are laid out: compiler (its choice; where a ring slices the
-  # minor dimension it copies the operand whole first) | contiguous (laid out for the blocks
-  # where they are made, and reduce-scatter rings' activation accumulators kept as their
-  # einsums write them; pays on some layouts only: configs/dense_500b.py).
-  c.parallelism.block_layout = 'compiler'
-  # A forward reduce-scatter ring's own block: fused (the compiler may fuse its einsum with
-  # the last additions, which then wait for the last transfer) | apart (computed while the
-  # last accumulators travel; the next norm's sums become a pass of their own).
-  c.parallelism.last_contribution = 'fused'
-  # A weight gradient ringed over another axis whose operand the compiler gathers over the
-  # forward's axis: beside (the gather shares the links with the data gradient's ring) |
-  # before (gathered before that ring where it is bidirectional; holds the gathered operand
-  # longer). Both 'apart' and 'before' pay on some layouts only: configs/dense_500b.py.
-  c.parallelism.weight_gradient_gather = 'beside'
-  # A reduce-scatter ring's additions of partial sums: apart (a pass of their own after
-  # each step's einsum) | fused (into the einsums: each accumulator travels in two halves,
-  # each transfer overlapping the other halves' einsums; unidirectional rings, and even
-  # bidirectional ones whose output is an activation: a weight gradient's keeps one einsum
-  # for both directions, docs/paper_scale.md).
-  c.parallelism.ring_additions = 'apart'
-  # A bidirectional all-gather ring's two blocks a round, whose products go to different
-  # parts of the output: joined (one einsum over both, as XLA's windowed einsum does; the
-  # blocks are copied together and the product split apart, two copies a round) | apart (an
-  # einsum a block, each product written where it goes; reads the other operand twice a
-  # round, and a ring with less work between its transfers can hide less of them).
-  c.parallelism.gather_pairs = 'joined'
+  # Layers that run otherwise than collective_matmul says: 'PATTERN=FORM,...', each pattern
+  # a layer path as the parallelism report names it (* matches any part), FORM auto | ring |
+  # plain | gradients (auto, and a weight gradient may ring alone beside a plain forward).
+  c.parallelism.layer_overrides = ''
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

@@ -31,17 +31,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.cast_in_loop = True      # no bf16 copy of all layers' weights: the fit needs it
   c.optimizer.learning_rate = 1e-4
   c.optimizer.mu_dtype = 'bfloat16'  # both moments in bf16 (as DeepSeek-V3): the memory
-  c.optimizer.nu_dtype = 'bfloat16'  # the ring settings below need; master weights fp32
+  c.optimizer.nu_dtype = 'bfloat16'  # the rings' buffers need; master weights fp32
   c.mesh.data = 1
   c.mesh.fsdp = 128
   c.mesh.tensor = 8                # each ring step's einsum wide enough to hide its transfer
   c.parallelism.gradient_accumulators = 'sharded'  # 'any' does not fit in v4's memory
-  c.parallelism.unroll = 2         # the loop's block copies and some additions go
-  c.parallelism.block_layout = 'contiguous'      # no whole copy of a sliced operand a layer
-  c.parallelism.last_contribution = 'apart'      # computed while the last accumulators travel
-  c.parallelism.weight_gradient_gather = 'before'  # attn.qkv's gather off its ring's links
-  c.parallelism.ring_additions = 'kernel'  # a two-way round one kernel (pair_sums.py)
-  c.parallelism.gather_pairs = 'apart'     # no join and split of each pair
   # The chip's flags, then XLA's pipelining of a scanned layer's all-gathers and
   # reduce-scatters over ICI into the iteration before (after), as MaxText's recipes.
   c.hardware.xla_flags = ('default --xla_tpu_enable_ici_ag_pipelining=true '

@@ -31,9 +31,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = 64
   c.mesh.tensor = 8
-  c.parallelism.unroll = 8         # rings over tensor=8 run with no loop
-  c.parallelism.ring_additions = 'fused'  # each accumulator in two halves that take turns
-  c.parallelism.plain_layers = 'blocks.*.attn.o'  # its forward ring was link-bound
-  c.parallelism.gather_pairs = 'apart'    # no join and split of each pair
   c.aot.topology = 'v4:8x8x8'
   return c

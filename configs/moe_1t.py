@@ -33,9 +33,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.moe.capacity_factor = 1.25
   c.moe.overlap_chunks = 1         # capacity is split over tensor: no chunks
   c.parallelism.gradient_accumulators = 'sharded'  # tight on memory
-  c.parallelism.unroll = 4         # a ring of 8: every two-way round in one iteration
-  c.parallelism.ring_additions = 'fused'  # each accumulator in two halves that take turns
-  c.parallelism.gather_pairs = 'apart'    # no join and split of each pair
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, 8, 8, 16
   # Tokens over fsdp and expert (expert last: one all-to-all reaches the experts), the
   # residual stream's sequence and each expert's capacity slots over tensor; expert

@@ -24,14 +24,12 @@ ALL_REDUCE_FLAGS = ('default --xla_tpu_enable_async_collective_fusion_fuse_all_r
                     '--xla_enable_async_all_reduce=true')
 LAYOUTS = {
     'dense_10b': {'batch_size': 512, 'model.remat': 'save_dot_except_qkv'},
-    # No tensor axis: the weight gradients ring over fsdp beside the compiler's forward
-    # einsums, a kernel a two-way round; v4's attn.o and pairs were for its tensor rings.
+    # No tensor axis: the blocks' weight gradients ring over fsdp beside the compiler's
+    # forward einsums, where its reduce-scatters would block.
     'dense_64b': {'mesh.data': 8, 'mesh.fsdp': 64, 'mesh.tensor': 1, 'batch_size': 1024,
                   'model.remat': 'minimal', 'hardware.xla_flags': ALL_REDUCE_FLAGS,
-                  'parallelism.gradient_rings': 'any_forward',
-                  'parallelism.plain_layers': '', 'parallelism.gather_pairs': 'joined',
-                  'parallelism.ring_additions': 'kernel'},
-    # v4's ring settings, without the scan and optimizer settings v4's memory needs.
+                  'parallelism.layer_overrides': 'blocks.*=gradients'},
+    # Without the scan and optimizer settings v4's memory needs.
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
                    'model.cast_in_loop': False, 'parallelism.gradient_accumulators': 'any',
                    'optimizer.mu_dtype': 'param', 'optimizer.nu_dtype': 'param'},

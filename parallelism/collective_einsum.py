@@ -19,17 +19,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import layout
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallelism import cost_model, einsum_plan, pair_sums, ring
+from parallelism import cost_model, einsum_plan, pair_sums, ring, schedule
+from parallelism import hardware as hw
 from parallelism.einsum_plan import AxisPlan, Equation
 
-MODES = ('none', 'unidirectional', 'bidirectional', 'auto')
+MODES = ('none', 'unidirectional', 'bidirectional', 'always', 'auto')
 # What a ring's partial sums travel and rest in: the compute dtype (bf16 for a bf16
 # model: half the bytes; each device still adds in fp32) or float32.
 RING_DTYPES = ('compute', 'float32')
@@ -41,29 +42,6 @@ GRADIENT_ACCUMULATORS = ('any', 'sharded')
 # Which layers' gradients auto may ring (``explain``): only those whose forward rings, or
 # also those whose forward is left to the compiler (``_gradients_alone``).
 GRADIENT_RINGS = ('ringed_forward', 'any_forward')
-# How a ring's sliced operand is laid out (``parallelism.block_layout``): as the compiler
-# chooses, or with each block contiguous where the ring slices the minor dimension
-# (``contiguous_blocks``), and the accumulators of reduce-scatter rings with activation
-# outputs as their einsums write them (``default_layout``).
-BLOCK_LAYOUTS = ('compiler', 'contiguous')
-# A forward reduce-scatter ring's own contribution (``parallelism.last_contribution``): as
-# the compiler fuses it, or computed apart while the last accumulators travel (``ring._last``).
-LAST_CONTRIBUTIONS = ('fused', 'apart')
-# A reduce-scatter ring's additions of partial sums (``parallelism.ring_additions``): a
-# pass of their own after each step's einsum, or fused into the einsums, each accumulator
-# travelling in two halves that take turns (``ring._in_halves``; ``_Ring.fused_additions``
-# says which rings); or as fused, and each round of an even bidirectional weight-gradient
-# ring one Pallas kernel for both directions (``parallelism/pair_sums.py``;
-# ``_Ring.pair_kernel``, ``_kernel_form``).
-RING_ADDITIONS = ('apart', 'fused', 'kernel')
-# A bidirectional all-gather ring's two blocks a round, whose products go to different parts
-# of the output (``parallelism.gather_pairs``): joined through one einsum (the blocks copied
-# together, the product split apart: two copies a round), or apart, an einsum a block, each
-# product written where it goes (the other operand read twice a round). ``_Ring.apart_pairs``.
-GATHER_PAIRS = ('joined', 'apart')
-# Where a weight gradient ringed over another axis gets its operand gathered over the
-# forward's axis (``parallelism.weight_gradient_gather``, ``_gathered_first``).
-WEIGHT_GRADIENT_GATHERS = ('beside', 'before')
 # The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
 WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
@@ -73,7 +51,7 @@ SCOPE = ring.RING_SCOPE
 class _Priced(NamedTuple):
   """What of a ring's settings its price depends on (``cost_model.estimate``)."""
   wire_fp32: bool     # partial sums travel in fp32 (ring_dtype='float32')
-  apart_pairs: bool   # gather_pairs='apart'
+  apart_pairs: bool   # a two-way all-gather round an einsum a block (RingSchedule.pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +81,10 @@ class Decision:
   # rings pass them ('' none): set by the layer plan for an einsum of a position-wise
   # chain (``sharding.plan_layers``, ``ring_order_fits``); ``run_decision`` honours it.
   ring_order: str = ''
+  # What partial sums travel and rest in (RING_DTYPES), and each ring's schedule: the
+  # forward's, the lhs gradient's and the rhs gradient's (None: that einsum is no ring).
+  ring_dtype: str = 'compute'
+  schedules: tuple[schedule.RingSchedule | None, ...] = (None, None, None)
 
   @property
   def decomposed(self) -> bool:
@@ -117,22 +99,36 @@ class Decision:
         self.backward[which]
 
 
-def unroll_problem(unroll) -> str | None:
-  """Why ``unroll`` (ring steps per loop iteration) is not valid, or None."""
-  if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
-    return f'unroll={unroll!r} must be an integer of at least 1'
-  return None
-
-
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
             mode='auto', hardware=None, ring_dtype='compute',
             gradient_accumulators='any', gradient_rings='ringed_forward',
-            gather_pairs='joined') -> Decision:
-  """Decides how ``collective_einsum`` would run, without running it.
+            prefer: Mapping[str, Any] | None = None) -> Decision:
+  """Decides how ``collective_einsum`` would run, without running it: the mode, the axis,
+  the gradients' forms and each ring's schedule (``parallelism/schedule.py``; ``prefer``:
+  schedule settings to use instead of the planner's, where they apply, as a plan file or
+  a test sets them).
 
   Raises:
-    ValueError: for an explicit mode that cannot be honoured, naming the specs.
+    ValueError: for an explicit mode that cannot be honoured, naming the specs, or a bad
+      ``prefer``.
   """
+  prefer = schedule.check_prefer(prefer)
+  pairs = prefer.get('pairs')
+  if mode == 'always' and 'direction' in prefer:
+    mode = prefer['direction']
+  overlapped = (hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
+      hardware or cost_model.DEFAULT_HARDWARE)).async_collectives
+  decision = _decide(equation, lhs_shape, rhs_shape, dtype, mesh, (lhs_spec, rhs_spec, out_spec),
+                     mode, hardware, ring_dtype, gradient_accumulators, gradient_rings,
+                     pairs or ('apart' if overlapped else 'joined'), overlapped)
+  return with_schedules(decision, lhs_shape, rhs_shape, mesh=mesh, lhs_spec=lhs_spec,
+                        rhs_spec=rhs_spec, out_spec=out_spec, hardware=hardware, prefer=prefer)
+
+
+def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardware, ring_dtype,
+            gradient_accumulators, gradient_rings, gather_pairs, overlapped) -> Decision:
+  """``explain``'s mode, axis and gradient forms, before the rings' schedules."""
+  lhs_spec, rhs_spec, out_spec = all_specs
   if mode not in MODES:
     raise ValueError(f'mode={mode!r} is not one of {MODES}')
   if ring_dtype not in RING_DTYPES:
@@ -142,15 +138,13 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
                      f'{GRADIENT_ACCUMULATORS}')
   if gradient_rings not in GRADIENT_RINGS:
     raise ValueError(f'gradient_rings={gradient_rings!r} is not one of {GRADIENT_RINGS}')
-  if gather_pairs not in GATHER_PAIRS:
-    raise ValueError(f'gather_pairs={gather_pairs!r} is not one of {GATHER_PAIRS}')
   alone = gradient_rings == 'any_forward'
   form = _Priced(ring_dtype == 'float32', gather_pairs == 'apart')
   eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
   # An axis of size 1 needs no collective whatever the specs say.
   needs = [p for p in plans if p.kind != 'pass' and mesh.shape[p.axis] > 1]
   specs = f'lhs {lhs_spec}, rhs {rhs_spec}, out {out_spec}'
-  shapes, all_specs = (lhs_shape, rhs_shape), (lhs_spec, rhs_spec, out_spec)
+  shapes = (lhs_shape, rhs_shape)
   problems = {p.axis: _problem(eq, p, shapes, all_specs, mesh) for p in needs}
   ok = [p for p in needs if not problems[p.axis]]
   chosen = _choose_axis(eq, ok, shapes, all_specs, dtype, mesh, hardware, form) if ok \
@@ -160,13 +154,14 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   others = tuple(p.axis for p in needs if p is not chosen)
   if mode == 'none':
     return Decision(str(eq), 'none', None, chosen and chosen.kind, others, estimate,
-                    'mode="none"')
+                    'mode="none"', ring_dtype=ring_dtype)
   if chosen is None:
     why = '; '.join(problems.values()) or 'no mesh axis needs a collective'
     if mode != 'auto':
       raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
     return _gradients_alone(
-        Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}'),
+        Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}',
+                 ring_dtype=ring_dtype),
         eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
   backward, backward_over = ('ring', 'ring'), (None, None)
   if mode == 'auto':
@@ -175,7 +170,8 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
         ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
     if choice == 'none':
       return _gradients_alone(
-          Decision(str(eq), 'none', None, chosen.kind, others, estimate, reason),
+          Decision(str(eq), 'none', None, chosen.kind, others, estimate, reason,
+                   ring_dtype=ring_dtype),
           eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
     if choice == 'unidirectional' and (estimate.seconds['bidirectional']
                                        < estimate.seconds['unidirectional']):
@@ -199,9 +195,97 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
         reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
                    'rings, on both link directions)')
     return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason,
-                    backward, backward_over, seconds)
+                    backward, backward_over, seconds, ring_dtype=ring_dtype)
   choice, reason = mode, f'mode="{mode}"'
-  return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason)
+  if mode == 'always':  # a ring in the direction the cost model prefers where rings overlap
+    choice = estimate.best_ring if overlapped else 'unidirectional'
+    reason = f'mode="always": {choice}' + ('' if overlapped else ' (nothing overlaps on '
+                                                                  f'{estimate.hardware})')
+  return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason,
+                  ring_dtype=ring_dtype)
+
+
+def with_schedules(decision: Decision, lhs_shape, rhs_shape, *, mesh, lhs_spec, rhs_spec,
+                   out_spec, hardware=None, prefer: Mapping[str, Any] | None = None) -> Decision:
+  """``decision`` (``explain``'s, perhaps with its forms changed) with its rings' schedules
+  chosen anew for them: the planner's, each field of ``prefer`` instead where it applies."""
+  profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
+      hardware or cost_model.DEFAULT_HARDWARE)
+  return _scheduled(decision, (lhs_shape, rhs_shape), (lhs_spec, rhs_spec, out_spec), mesh,
+                    profile, schedule.check_prefer(prefer))
+
+
+def _scheduled(decision: Decision, shapes, specs, mesh, profile, prefer) -> Decision:
+  """``decision`` with the schedule of each ring it runs (``schedule.choose``)."""
+  if not decision.decomposed:
+    return decision
+  cfg = _static(decision, specs, mesh)
+  eq = Equation.parse(decision.equation)
+  sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
+  out_shape = tuple(sizes[l] for l in eq.out)
+  rings = ((cfg, shapes, decision.mode != 'none'),
+           (cfg.transposed('lhs'), (out_shape, shapes[1]), decision.backward[0] == 'ring'),
+           (cfg.transposed('rhs'), (shapes[0], out_shape), decision.backward[1] == 'ring'))
+  gather = _gather_first_spec(cfg) is not None
+  schedules = tuple(
+      schedule.choose(_ring_facts(c, s, i, gather and i == 2, profile.platform),
+                      profile.async_collectives, prefer)
+      if runs and _is_ring(c) else None for i, (c, s, runs) in enumerate(rings))
+  return dataclasses.replace(decision, schedules=schedules)
+
+
+def _is_ring(cfg: _Static) -> bool:
+  """Whether ``cfg``'s einsum runs as a ring (``_transpose_einsum``'s test)."""
+  if cfg.axis is None:
+    return False
+  _, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  return any(p.axis == cfg.axis and p.kind in DECOMPOSABLE for p in plans)
+
+
+def _ring_facts(cfg: _Static, shapes, index: int, gather: bool,
+                platform: str) -> schedule.RingFacts:
+  """What decides which schedule settings apply to the ring ``cfg`` runs on operands of
+  ``shapes`` (ring ``index``: 0 the forward's, 1 and 2 the gradients')."""
+  cfg, *shapes = _gathered_dims_major(cfg, *shapes)
+  eq, plan = _axis_plan(cfg)
+  specs = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  manual = (cfg.axis,) + _manual_extra(cfg, eq, *specs)
+  local = [_local_shape(shape, spec, manual, cfg.mesh) for shape, spec in zip(shapes, specs)]
+  fused_fits, problem = False, 'an all-gather ring'
+  if plan.kind == 'reducescatter':
+    z = plan.out_letter
+    (owner, other), other_letters = ((local, eq.rhs) if z in eq.lhs else
+                                     (local[::-1], eq.lhs))
+    fused_fits = _halved_letter(eq, z, other_letters, other) is not None
+    problem = _kernel_problem(cfg, eq, z, manual, owner, other)
+  return schedule.RingFacts(plan.kind, cfg.bidirectional, cfg.activation_out, index == 0,
+                            fused_fits, problem, gather, platform)
+
+
+def _kernel_problem(cfg: _Static, eq: Equation, z: str, manual, owner_shape,
+                    other_shape) -> str:
+  """Why the pair kernel (``_pair_kernel_ring``) cannot run a reduce-scatter ring ('' where
+  it can): an even two-way weight-gradient ring whose shard_map holds every mesh axis of
+  size > 1 manual (a Mosaic kernel needs all of them manual), in ``_kernel_form``'s shapes."""
+  n = cfg.mesh.shape[cfg.axis]
+  others = [a for a in cfg.mesh.axis_names if a not in manual and cfg.mesh.shape[a] > 1]
+  if cfg.activation_out:
+    return 'its output is an activation'
+  if not cfg.bidirectional or n % 2:
+    return 'not an even two-way ring'
+  if others:
+    return f'mesh axis {others[0]} is not manual in its shard_map'
+  if _kernel_form(eq, z, owner_shape, other_shape) is None:
+    return "its operands are not [contracted..., sliced] and [contracted..., output's]"
+  return ''
+
+
+def _local_shape(shape, spec, manual, mesh) -> tuple[int, ...]:
+  """The block of a ``shape`` array laid out as ``spec`` that a shard_map manual over
+  ``manual`` hands each device."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  return tuple(d // math.prod(mesh.shape[a] for a in einsum_plan.axes_of(e) if a in manual)
+               for d, e in zip(shape, spec))
 
 
 def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
@@ -411,8 +495,9 @@ def _problem(eq, p, shapes, specs, mesh, alone: bool = True) -> str:
 
 
 def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
-                      lhs_spec, rhs_spec, out_spec, mode: str = 'auto', unroll: int = 1,
-                      hardware=None, ring_dtype: str = 'compute') -> jax.Array:
+                      lhs_spec, rhs_spec, out_spec, mode: str = 'auto', hardware=None,
+                      ring_dtype: str = 'compute',
+                      prefer: Mapping[str, Any] | None = None) -> jax.Array:
   """``einsum(equation, lhs, rhs)`` with its collective decomposed over a ring.
 
   Args:
@@ -423,21 +508,19 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     lhs_spec, rhs_spec, out_spec: PartitionSpecs over ``mesh``.
     mode: ``none`` (plain einsum; the compiler inserts the collective),
       ``unidirectional``, ``bidirectional``, or ``auto`` (the cost model picks).
-    unroll: ring steps per loop iteration; a ring of at most that many steps runs
-      with no loop (every step its own ops).
     hardware: a ``parallelism.hardware`` profile name for the cost model
       (default: ``cpu``, where decomposition never pays).
     ring_dtype: what partial sums travel and rest in (``RING_DTYPES``): the rings'
       accumulators (a reduce-scatter's on the wire, a contracting all-gather's between
       steps), and under ``none`` the dot's output, which the compiler's reduce-scatter
       or all-reduce carries.
+    prefer: ring schedule settings to use instead of the planner's, where they apply
+      (``parallelism/schedule.py``), e.g. ``{'unroll': 2}``.
 
   Returns:
     The result laid out as ``out_spec``; bf16 products accumulate in fp32 on
     each device (in the MXU under ``none``).
   """
-  if unroll_problem(unroll):
-    raise ValueError(unroll_problem(unroll))
   explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
               if t != jax.sharding.AxisType.Auto]
   if explicit:  # operands are resharded with constraints, which need Auto axes
@@ -446,17 +529,15 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   decision = explain(equation, lhs.shape, rhs.shape, dtype, mesh=mesh, lhs_spec=lhs_spec,
                      rhs_spec=rhs_spec, out_spec=out_spec, mode=mode, hardware=hardware,
-                     ring_dtype=ring_dtype)
+                     ring_dtype=ring_dtype, prefer=prefer)
   return run_decision(decision, lhs, rhs, mesh=mesh, lhs_spec=lhs_spec, rhs_spec=rhs_spec,
-                      out_spec=out_spec, unroll=unroll, ring_dtype=ring_dtype)
+                      out_spec=out_spec)
 
 
-def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_spec,
-                 unroll: int = 1, ring_dtype: str = 'compute',
-                 block_layout: str = 'compiler', last_contribution: str = 'fused',
-                 weight_gradient_gather: str = 'beside',
-                 ring_additions: str = 'apart', gather_pairs: str = 'joined') -> jax.Array:
-  """Computes the einsum as ``decision`` (from ``explain``) says.
+def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec,
+                 out_spec) -> jax.Array:
+  """Computes the einsum as ``decision`` (from ``explain``) says: its mode, axis, gradient
+  forms, ``ring_dtype`` and each ring's schedule (``decision.schedules``).
 
   ``decision.ring_order`` ('lhs' or 'out'; '' none) names the operand or result whose
   blocks along the ring's dimension are in ring order on each device
@@ -464,14 +545,6 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
   an activation and one that scatters it back, the tokens need not be put back in order
   between them (``ring_order_fits`` says where it may be asked).
   """
-  for key, value, allowed in (('block_layout', block_layout, BLOCK_LAYOUTS),
-                              ('last_contribution', last_contribution, LAST_CONTRIBUTIONS),
-                              ('weight_gradient_gather', weight_gradient_gather,
-                               WEIGHT_GRADIENT_GATHERS),
-                              ('ring_additions', ring_additions, RING_ADDITIONS),
-                              ('gather_pairs', gather_pairs, GATHER_PAIRS)):
-    if value not in allowed:
-      raise ValueError(f'{key}={value!r} is not one of {allowed}')
   order = decision.ring_order
   if order and not ring_order_fits(decision, lhs_spec, rhs_spec, out_spec, order):
     raise ValueError(f'{decision.equation}: ring_order={order!r} needs every einsum of it '
@@ -480,18 +553,19 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec, out_
   put = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   lhs, rhs = put(lhs, PartitionSpec(*lhs_spec)), put(rhs, PartitionSpec(*rhs_spec))
   if not decision.decomposed:
-    out = _plain(decision.equation, lhs, rhs, dtype, ring_dtype == 'float32')
+    out = _plain(decision.equation, lhs, rhs, dtype, decision.ring_dtype == 'float32')
   else:  # a ring forward, or a plain one whose gradients ring (cfg.axis None)
-    cfg = _Static(decision.equation, mesh, PartitionSpec(*lhs_spec),
-                  PartitionSpec(*rhs_spec), PartitionSpec(*out_spec), decision.axis,
-                  decision.mode == 'bidirectional', unroll, ring_dtype == 'float32',
-                  decision.backward, decision.backward_over, block_layout == 'contiguous',
-                  last_contribution == 'apart', weight_gradient_gather == 'before',
-                  fused_additions=ring_additions in ('fused', 'kernel'),
-                  pair_kernel=ring_additions == 'kernel',
-                  apart_pairs=gather_pairs == 'apart', ring_order=order)
-    out = _decomposed(cfg, lhs, rhs)
+    out = _decomposed(_static(decision, (lhs_spec, rhs_spec, out_spec), mesh), lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
+
+
+def _static(decision: Decision, specs, mesh) -> '_Static':
+  """The forward ring's ``_Static`` (its gradients': ``transposed``) for ``decision``."""
+  lhs_spec, rhs_spec, out_spec = (PartitionSpec(*s) for s in specs)
+  return _Static(decision.equation, mesh, lhs_spec, rhs_spec, out_spec, decision.axis,
+                 decision.mode == 'bidirectional', decision.ring_dtype == 'float32',
+                 decision.backward, decision.backward_over, decision.schedules,
+                 ring_order=decision.ring_order)
 
 
 def ring_order_fits(decision: Decision, lhs_spec, rhs_spec, out_spec, array: str) -> bool:
@@ -501,9 +575,8 @@ def ring_order_fits(decision: Decision, lhs_spec, rhs_spec, out_spec, array: str
   if (decision.mode == 'none' or decision.backward != ('ring', 'ring') or
       any(o is not None and o[0] != decision.axis for o in decision.backward_over)):
     return False
-  cfg = _Static(decision.equation, None, PartitionSpec(*lhs_spec), PartitionSpec(*rhs_spec),
-                PartitionSpec(*out_spec), decision.axis, decision.mode == 'bidirectional', 1,
-                backward_over=decision.backward_over, ring_order=array)
+  cfg = dataclasses.replace(_static(decision, (lhs_spec, rhs_spec, out_spec), None),
+                            ring_order=array)
   return all(_whole_along_ring(c) == c.ring_order
              for c in (cfg, cfg.transposed('lhs'), cfg.transposed('rhs')))
 
@@ -551,21 +624,22 @@ class _Static:
   out_spec: PartitionSpec
   axis: str | None  # None: the forward is one einsum, only a gradient rings
   bidirectional: bool
-  unroll: int
   wire_fp32: bool = False  # partial sums (accumulators, reductions) travel in fp32
   backward: tuple[str, str] = ('ring', 'ring')  # Decision.backward
   backward_over: tuple = (None, None)  # Decision.backward_over
-  contiguous: bool = False  # block_layout='contiguous': blocks of sliced operands contiguous
-  last_apart: bool = False  # last_contribution='apart' (the forward's rings only)
-  gather_first: bool = False  # weight_gradient_gather='before'
-  fused_additions: bool = False  # ring_additions='fused' (reduce-scatters, _Ring's)
-  pair_kernel: bool = False  # ring_additions='kernel' (_Ring's)
-  apart_pairs: bool = False  # gather_pairs='apart' (_Ring's)
+  schedules: tuple = (None, None, None)  # Decision.schedules
+  ring: int = 0  # which of them this einsum's ring is: 0 forward, 1 lhs gradient, 2 rhs
   activation_out: bool = True  # the output is an activation (not a weight's gradient)
   # Which of (lhs, rhs, out) holds its blocks along the ring's dimension in ring order
   # (``ring.ring_position``; '' none): the array every ring of this einsum holds whole
   # there (``ring_order_fits``)
   ring_order: str = ''
+
+  @property
+  def sched(self) -> schedule.RingSchedule:
+    """This ring's schedule (the simplest where the plan has none: ``ring_order_fits``)."""
+    return self.schedules[self.ring] or schedule.RingSchedule(
+        'bidirectional' if self.bidirectional else 'unidirectional')
 
   def transposed(self, which: str) -> '_Static':
     """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs'), over the
@@ -584,7 +658,8 @@ class _Static:
              {'lhs': 'lhs', 'out': 'rhs', 'rhs': 'out'}).get(self.ring_order, '')
     return dataclasses.replace(self, equation=equation, lhs_spec=specs[0],
                                rhs_spec=specs[1], out_spec=specs[2], axis=axis,
-                               bidirectional=mode == 'bidirectional', last_apart=False,
+                               bidirectional=mode == 'bidirectional',
+                               ring=1 if which == 'lhs' else 2,
                                activation_out=which == 'lhs', ring_order=order)
 
 
@@ -606,10 +681,7 @@ def _decomposed_fwd(cfg, lhs, rhs):
 
 def _decomposed_bwd(cfg, residuals, g):
   lhs, rhs = residuals
-  eq, specs = Equation.parse(cfg.equation), (cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  if (cfg.backward == ('ring', 'ring') and cfg.backward_over[0] is None and
-      cfg.backward_over[1] is not None and cfg.backward_over[1][0] != cfg.axis and
-      keeps_cotangent(eq, cfg.axis, specs, cfg.mesh)):
+  if _hands_cotangent_on(cfg):
     # The data gradient's ring gathers g over the forward's axis block by block; the
     # weight gradient's ring over another axis (fsdp) gets g whole from it instead of the
     # compiler gathering it again (the same bytes twice over the same links). Not for a
@@ -617,11 +689,35 @@ def _decomposed_bwd(cfg, residuals, g):
     # attn.o and mlp.down: 31.69 GiB per chip, 29.88 with the compiler's gather).
     d_lhs, g = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, keep_gathered=True)
   else:
-    if cfg.gather_first:
+    if cfg.schedules[2] is not None and cfg.schedules[2].gather == 'before':
       lhs, g = _gathered_first(cfg, lhs, g)
     d_lhs = _transpose_einsum(cfg.transposed('lhs'), g, rhs, lhs.dtype, cfg.backward[0])
   d_rhs = _transpose_einsum(cfg.transposed('rhs'), lhs, g, rhs.dtype, cfg.backward[1])
   return d_lhs, d_rhs
+
+
+def _hands_cotangent_on(cfg: _Static) -> bool:
+  """Whether the data gradient's ring hands the cotangent it gathered on to the weight
+  gradient's ring over another axis (``_decomposed_bwd``)."""
+  eq, specs = Equation.parse(cfg.equation), (cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
+  return (cfg.backward == ('ring', 'ring') and cfg.backward_over[0] is None and
+          cfg.backward_over[1] is not None and cfg.backward_over[1][0] != cfg.axis and
+          keeps_cotangent(eq, cfg.axis, specs, cfg.mesh))
+
+
+def _gather_first_spec(cfg: _Static):
+  """The spec the weight gradient's ring over another axis takes ``lhs`` in, where the
+  compiler gathers it over the forward's axis beside a two-way data-gradient ring (the
+  schedule's ``gather`` applies there: ``_gathered_first``); else None."""
+  if cfg.backward != ('ring', 'ring') or _hands_cotangent_on(cfg):
+    return None
+  w, d = cfg.transposed('rhs'), cfg.transposed('lhs')
+  if w.axis in (None, cfg.axis) or not d.bidirectional:
+    return None
+  spec, _ = hoisted_specs(Equation.parse(w.equation), w.axis, w.lhs_spec, w.rhs_spec,
+                          w.out_spec)
+  over_axis = lambda s: cfg.axis in {a for e in s for a in einsum_plan.axes_of(e)}
+  return spec if over_axis(cfg.lhs_spec) and not over_axis(spec) else None
 
 
 def _gathered_first(cfg: _Static, lhs, g):
@@ -631,13 +727,8 @@ def _gathered_first(cfg: _Static, lhs, g):
   fill both directions of the links that gather runs on, and beside it one queued behind
   the other (dense_500b's ``attn.qkv``: 0.060 s a step exposed, 0.020 s with the gather
   first; modeled, docs/paper_scale.md). Else both as they were."""
-  w, d = cfg.transposed('rhs'), cfg.transposed('lhs')
-  if cfg.backward != ('ring', 'ring') or w.axis in (None, cfg.axis) or not d.bidirectional:
-    return lhs, g
-  spec, _ = hoisted_specs(Equation.parse(w.equation), w.axis, w.lhs_spec, w.rhs_spec,
-                          w.out_spec)
-  over_axis = lambda s: cfg.axis in {a for e in s for a in einsum_plan.axes_of(e)}
-  if over_axis(cfg.lhs_spec) and not over_axis(spec):  # the compiler gathers it
+  spec = _gather_first_spec(cfg)
+  if spec is not None:  # the compiler gathers it
     lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, spec))
     g = ring.waiting_for(g, lhs)
   return lhs, g
@@ -698,17 +789,17 @@ class _Ring:
   contiguous: bool = False  # contiguous_blocks on the operands the rings slice
   last_apart: bool = False  # a reduce-scatter ring's own contribution kept out of the fusions
   row_major: bool = False  # a reduce-scatter ring's accumulators in the default layout
-  # a reduce-scatter ring's additions in its einsums, its accumulators in halves: under
-  # ring_additions='fused', a unidirectional ring's, and a bidirectional one's whose output
-  # is an activation (a weight gradient's einsums, one a direction, would read the
-  # activation each round twice: HBM-bound, dense_500b +0.84 s a step)
+  # its schedule's additions 'fused': a reduce-scatter ring's additions in its einsums, its
+  # accumulators in halves (``schedule._additions_for`` says which rings: a bidirectional
+  # weight gradient's einsums, one a direction, would read the activation each round twice:
+  # HBM-bound, dense_500b +0.84 s a step)
   fused_additions: bool = False
-  # ring_additions='kernel': an even bidirectional weight-gradient ring runs each round as
-  # one Pallas kernel for both directions (``_pair_kernel_ring``), where ``_kernel_form``
-  # fits: 'mosaic' (compiled for a TPU), 'interpret' (Pallas's interpreter elsewhere), or ''
+  # its schedule's additions 'kernel': an even bidirectional weight-gradient ring runs each
+  # round as one Pallas kernel for both directions (``_pair_kernel_ring``): 'mosaic'
+  # (compiled for a TPU), 'interpret' (Pallas's interpreter elsewhere), or ''
   pair_kernel: str = ''
-  # gather_pairs='apart': a bidirectional all-gather ring without partial sums runs an einsum
-  # a block, each product written where it goes, not one einsum over the pair joined
+  # its schedule's pairs 'apart': a bidirectional all-gather ring without partial sums runs
+  # an einsum a block, each product written where it goes, not one einsum over the pair
   apart_pairs: bool = False
   # the array the ring holds whole along its dimension has its blocks in ring order
   # (``ring.ring_position``; ``_Static.ring_order``)
@@ -734,34 +825,23 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   # devices). On CPU the ring is therefore fully unrolled, so every step has
   # its own ops; other backends keep the loop and ``unroll``.
   on_cpu = cfg.mesh.devices.flat[0].platform == 'cpu'
-  unroll = True if on_cpu else cfg.unroll
+  sched = cfg.sched
+  unroll = True if on_cpu else sched.unroll
   direction = 'bidirectional' if cfg.bidirectional else 'unidirectional'
   # Collectives over other axes (an FSDP weight's gather) happen once, here,
   # not once per ring step inside the loop, where the compiler would put them.
   lhs_spec, rhs_spec = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
   lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, lhs_spec))
   rhs = jax.lax.with_sharding_constraint(rhs, NamedSharding(cfg.mesh, rhs_spec))
-  # Axes that shard a contracted dim of both operands (a weight gradient's
-  # batch) are manual too: partial sums accumulate over the ring and are
-  # reduced once after it, not once per step.
-  summed = tuple(a for a in _summed_axes(eq, cfg.axis, lhs_spec, rhs_spec)
-                 if cfg.mesh.shape[a] > 1)
-  # Axes that shard the einsum alike everywhere (an expert weight gradient's experts) are
-  # manual too: each device keeps its block. Left to the compiler inside the shard_map, it
-  # gathered them around the reduction over ``summed`` (a v5p MoE program: every expert's
-  # gradient all-gathered and reduce-scattered, 16x the bytes).
-  passing = tuple(a for a in _passing_axes(eq, cfg.axis, lhs_spec, rhs_spec, cfg.out_spec)
-                  if a not in summed and cfg.mesh.shape[a] > 1)
-  manual = (cfg.axis,) + summed + passing
-  # A Mosaic kernel runs only where every mesh axis is manual: a pair-kernel ring needs
-  # every axis of size > 1 manual already and makes the others (of size 1) manual too.
-  kernel = (cfg.pair_kernel and cfg.bidirectional and not cfg.activation_out and n % 2 == 0
-            and plan.kind == 'reducescatter')
-  ones = tuple(a for a in cfg.mesh.axis_names if a not in manual)
-  if kernel and all(cfg.mesh.shape[a] == 1 for a in ones):
-    manual += ones
-  else:
-    kernel = False
+  extra = _manual_extra(cfg, eq, lhs_spec, rhs_spec)
+  summed = extra[:len(_summed(cfg, eq, lhs_spec, rhs_spec))]
+  manual = (cfg.axis,) + extra
+  # A Mosaic kernel runs only where every mesh axis is manual: a pair-kernel ring has every
+  # axis of size > 1 manual already (the planner checked: ``_kernel_problem``) and makes the
+  # others (of size 1) manual too.
+  kernel = sched.additions == 'kernel'
+  if kernel:
+    manual += tuple(a for a in cfg.mesh.axis_names if a not in manual)
   keep = lambda spec: PartitionSpec(*[
       einsum_plan.spec_entry(tuple(a for a in einsum_plan.axes_of(e) if a in manual))
       for e in spec])
@@ -772,12 +852,12 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   # on CPU they are reduced in fp32.
   r = _Ring(eq, plan, n, ring.ring_split(n, cfg.bidirectional), unroll, dtype,
             _wire(dtype, cfg.wire_fp32), manual, summed, scatter,
-            _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, cfg.contiguous,
-            cfg.last_apart, cfg.contiguous and cfg.activation_out,
-            cfg.fused_additions and (cfg.activation_out or not cfg.bidirectional),
+            _wire(dtype, cfg.wire_fp32 or on_cpu), keep_gathered, sched.layout == 'contiguous',
+            sched.last == 'apart', sched.layout == 'contiguous' and cfg.activation_out,
+            sched.additions == 'fused',
             ('' if not kernel else
              'mosaic' if cfg.mesh.devices.flat[0].platform == 'tpu' else 'interpret'),
-            cfg.apart_pairs, bool(cfg.ring_order))  # run_decision checked it fits
+            sched.pairs == 'apart', bool(cfg.ring_order))  # run_decision checked it fits
   if keep_gathered:
     if summed or plan.kind == 'reducescatter':
       raise ValueError(f'{named}: only an all-gather ring without partial sums over other '
@@ -802,6 +882,26 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   return out[0], jnp.transpose(out[1], [new.index(l) for l in old])
 
 
+def _summed(cfg: _Static, eq: Equation, lhs_spec, rhs_spec) -> tuple[str, ...]:
+  """Axes that shard a contracted dim of both operands (a weight gradient's batch): manual
+  too, so partial sums accumulate over the ring and are reduced once after it, not once
+  per step."""
+  return tuple(a for a in _summed_axes(eq, cfg.axis, lhs_spec, rhs_spec)
+               if cfg.mesh.shape[a] > 1)
+
+
+def _manual_extra(cfg: _Static, eq: Equation, lhs_spec, rhs_spec) -> tuple[str, ...]:
+  """The ring's shard_map's manual axes besides its own: ``_summed``'s, then axes that shard
+  the einsum alike everywhere (an expert weight gradient's experts), where each device keeps
+  its block. Left to the compiler inside the shard_map, it gathered them around the
+  reduction over the summed axes (a v5p MoE program: every expert's gradient all-gathered
+  and reduce-scattered, 16x the bytes)."""
+  summed = _summed(cfg, eq, lhs_spec, rhs_spec)
+  passing = tuple(a for a in _passing_axes(eq, cfg.axis, lhs_spec, rhs_spec, cfg.out_spec)
+                  if a not in summed and cfg.mesh.shape[a] > 1)
+  return summed + passing
+
+
 def _gathered_dims_major(cfg: _Static, lhs, rhs):
   """(cfg, lhs, rhs) with each operand that is gathered before the ring along its last
   (minor) dimension (an FSDP weight's ``embed``, as in ``mlp.down``'s [mlp, embed] and
@@ -813,7 +913,8 @@ def _gathered_dims_major(cfg: _Static, lhs, rhs):
   (dense_500b: 335 MB a layer and pass; ours 8.239 -> 8.173 s a step, modeled); transposed
   first, the transpose is the local shard's, before the gather, and the gathered blocks are
   contiguous. (Moving the dimension a weight gradient's ring slices made no difference:
-  the compiler transposes its operand whole either way.)
+  the compiler transposes its operand whole either way.) ``lhs`` and ``rhs`` may be
+  shapes (tuples), moved the same way (the planner's ``_ring_facts``).
   """
   eq = Equation.parse(cfg.equation)
   hoisted = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
@@ -823,7 +924,8 @@ def _gathered_dims_major(cfg: _Static, lhs, rhs):
     if len(letters[i]) > 1 and axes[last] != einsum_plan.letter_axes(letters[i], kept)[last]:
       letters[i] = last + letters[i][:-1]
       specs[i] = PartitionSpec(*map(einsum_plan.spec_entry, (axes[l] for l in letters[i])))
-      ops[i] = jnp.moveaxis(ops[i], -1, 0)
+      ops[i] = ((ops[i][-1],) + ops[i][:-1] if isinstance(ops[i], tuple)
+                else jnp.moveaxis(ops[i], -1, 0))
   if letters == [eq.lhs, eq.rhs]:
     return cfg, lhs, rhs
   return (dataclasses.replace(cfg, equation=f'{letters[0]},{letters[1]}->{eq.out}',
@@ -927,9 +1029,9 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   wire = r.wire
 
   other, other_letters = (rhs, eq.rhs) if on_lhs else (lhs, eq.lhs)
-  form = _kernel_form(eq, z, owner.shape, other.shape) if r.pair_kernel else None
-  if form is not None:
-    return _pair_kernel_ring(r, idx, owner, other, *form).astype(r.dtype)
+  if r.pair_kernel:  # the planner checked that it fits (``_kernel_problem``)
+    return _pair_kernel_ring(r, idx, owner, other,
+                             *_kernel_form(eq, z, owner.shape, other.shape)).astype(r.dtype)
   at = lambda k: ring.ring_position(k, idx, r.n, r.ring_order)  # where block k sits
   halved = _halved_letter(eq, z, other_letters, other.shape) if r.fused_additions else None
 
@@ -1108,7 +1210,7 @@ def contiguous_blocks(x: jax.Array, dim: int) -> jax.Array:
 def default_layout(x: jax.Array) -> jax.Array:
   """``x`` in the default layout, its last dimension minor, as an einsum writes it.
 
-  Under ``block_layout='contiguous'`` a reduce-scatter ring's accumulators of an
+  Under a ``contiguous`` schedule layout a reduce-scatter ring's accumulators of an
   activation ([b, t, d]) are pinned so: the compiler had laid them out as the weight
   gradient's operand of that shape is pinned (``contiguous_blocks``: d before t) and copied
   every step's product into that layout (dense_500b: 0.021 s a step of copies, 0.009 s off

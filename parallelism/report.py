@@ -18,7 +18,9 @@ import os
 import sys
 from typing import Any, Mapping
 
-from parallelism import cli, einsum_plan, moe
+from parallelism import cli, einsum_plan, moe, schedule
+
+RINGS = ('forward', 'lhs gradient', 'rhs gradient')  # Decision.schedules, in order
 
 
 def rows(plan: Mapping[str, Any]) -> list[dict]:
@@ -49,6 +51,9 @@ def rows(plan: Mapping[str, Any]) -> list[dict]:
                                      enumerate(('lhs', 'rhs')) if d.gradient_seconds[k]},
         # which array keeps the ring's order (its blocks as the rings pass them), if any
         'ring_order': d.ring_order or None,
+        # how each ring runs (parallelism/schedule.py): the forward's and the gradients'
+        'schedules': {ring: dataclasses.asdict(sc) for ring, sc in zip(RINGS, d.schedules)
+                      if sc is not None},
     })
   return out
 
@@ -85,7 +90,7 @@ def _sharded_dims(equation: str, specs) -> str:
 def table(report_rows: list[dict]) -> str:
   """A fixed-width text table of the rows."""
   head = ('layer', 'einsum', 'sharded dims', 'collective', 'decision', 'step us (modeled)',
-          'gradients (modeled)')
+          'gradients (modeled)', 'ring schedules')
   lines = [head]
   for r in report_rows:
     if 'modeled_single_us' in r:
@@ -97,7 +102,7 @@ def table(report_rows: list[dict]) -> str:
     decision = r['decision'] + (f", {r['ring_order']} in ring order" if r.get('ring_order')
                                 else '')
     lines.append((r['path'], r['einsum'], r['sharded_dims'], r['collective'], decision,
-                  step, _gradients(r)))
+                  step, _gradients(r), _schedules(r)))
   widths = [max(len(str(l[i])) for l in lines) for i in range(len(head))]
   fmt = lambda l: '  '.join(str(c).ljust(w) for c, w in zip(l, widths)).rstrip()
   return '\n'.join([fmt(lines[0]), fmt(['-' * w for w in widths])] + [fmt(l) for l in lines[1:]])
@@ -119,6 +124,13 @@ def _gradients(row: dict) -> str:
         cell += f" (one einsum {forms['one einsum'] * 1e3:.2f})"
     cells.append(cell)
   return '; '.join(cells) or '-'
+
+
+def _schedules(row: dict) -> str:
+  """Each ring's schedule, as ``RingSchedule.describe`` words it ('-': no ring)."""
+  return '; '.join(f'{ring}: ' + schedule.RingSchedule(**sc).describe() + (
+      f" (no kernel: {sc['why_no_kernel']})" if sc['why_no_kernel'] else '')
+                   for ring, sc in (row.get('schedules') or {}).items()) or '-'
 
 
 def runs_a_ring(row: dict) -> bool:

@@ -23,11 +23,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
-from parallelism import moe
+from parallelism import moe, schedule
 from parallelism.collective_einsum import (
-    BLOCK_LAYOUTS, GATHER_PAIRS, GRADIENT_ACCUMULATORS, GRADIENT_RINGS, LAST_CONTRIBUTIONS,
-    RING_ADDITIONS, RING_DTYPES, WEIGHT_GRADIENT_GATHERS, explain, ring_order_fits, run_decision,
-    unroll_problem)
+    GRADIENT_ACCUMULATORS, RING_DTYPES, explain, ring_order_fits, run_decision)
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -122,74 +120,86 @@ def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
+# What ``parallelism.layer_overrides`` may ask of a layer: as collective_matmul decides
+# (auto), a ring (always), the compiler's collectives (plain), or auto's decision with the
+# weight gradient free to ring alone beside a forward left to the compiler (gradients:
+# where its reduce-scatter would block the chip; ``collective_einsum._gradients_alone``).
+LAYER_FORMS = ('auto', 'ring', 'plain', 'gradients')
+COLLECTIVE_MATMUL = ('auto', 'always', 'never')
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulPolicy:
-  """The ``parallelism.*`` config: when dense layers use collective einsums."""
+  """The ``parallelism.*`` config: which dense layers run as collective einsums. How each
+  ring runs is the planner's (``parallelism/schedule.py``); ``prefer`` sets schedule fields
+  for every ring instead, where they apply (experiments and tests; not a config key)."""
   collective_matmul: str = 'auto'       # auto | always | never
-  direction: str = 'unidirectional'     # for 'always': unidirectional | bidirectional
-  unroll: int = 1                       # ring steps per loop iteration: 1 | 2
-  hardware: str = 'cpu'                 # profile the cost model uses under 'auto'
+  hardware: str = 'cpu'                 # profile the cost model and the schedule use
   ring_dtype: str = 'compute'           # rings' partial sums (wire, between steps): compute | float32
   gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
-  gradient_rings: str = 'ringed_forward'  # ringed_forward | any_forward (GRADIENT_RINGS)
-  plain_layers: tuple[str, ...] = ()    # layer path patterns that stay plain (fnmatch)
-  block_layout: str = 'compiler'        # compiler | contiguous (BLOCK_LAYOUTS)
-  last_contribution: str = 'fused'      # fused | apart (LAST_CONTRIBUTIONS)
-  weight_gradient_gather: str = 'beside'  # beside | before (WEIGHT_GRADIENT_GATHERS)
-  ring_additions: str = 'apart'         # apart | fused | kernel (RING_ADDITIONS)
-  gather_pairs: str = 'joined'          # joined | apart (GATHER_PAIRS)
+  layer_overrides: tuple[tuple[str, str], ...] = ()  # (layer path pattern, LAYER_FORMS)
+  prefer: tuple[tuple[str, Any], ...] = ()  # schedule fields for every ring (schedule.py)
 
   @classmethod
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
-    plain = tuple(s.strip() for s in p.plain_layers.split(',')) if p.plain_layers else ()
-    return cls(p.collective_matmul, p.direction, p.unroll, cfg.hardware.name, p.ring_dtype,
-               p.gradient_accumulators, p.gradient_rings, plain, p.block_layout,
-               p.last_contribution, p.weight_gradient_gather, p.ring_additions,
-               p.gather_pairs)
+    return cls(p.collective_matmul, cfg.hardware.name, p.ring_dtype, p.gradient_accumulators,
+               parse_overrides(p.layer_overrides))
 
   def validate(self) -> None:
-    choices = {'collective_matmul': ('auto', 'always', 'never'),
-               'direction': ('unidirectional', 'bidirectional'),
-               'ring_dtype': RING_DTYPES, 'gradient_accumulators': GRADIENT_ACCUMULATORS,
-               'gradient_rings': GRADIENT_RINGS, 'block_layout': BLOCK_LAYOUTS,
-               'last_contribution': LAST_CONTRIBUTIONS,
-               'weight_gradient_gather': WEIGHT_GRADIENT_GATHERS,
-               'ring_additions': RING_ADDITIONS, 'gather_pairs': GATHER_PAIRS}
+    choices = {'collective_matmul': COLLECTIVE_MATMUL, 'ring_dtype': RING_DTYPES,
+               'gradient_accumulators': GRADIENT_ACCUMULATORS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
-    if unroll_problem(self.unroll):
-      raise ValueError(f'parallelism.{unroll_problem(self.unroll)}')
-    if not all(self.plain_layers):
-      raise ValueError(f'parallelism.plain_layers={",".join(self.plain_layers)!r} has an '
-                       'empty pattern')
+    schedule.check_prefer(dict(self.prefer))
 
-  def plain_pattern(self, name: str) -> str | None:
-    """The first ``plain_layers`` pattern layer ``name`` matches, or None."""
-    return next((p for p in self.plain_layers if fnmatch.fnmatchcase(name, p)), None)
+  def override(self, name: str) -> tuple[str, str] | None:
+    """The first ``layer_overrides`` entry (pattern, form) layer ``name`` matches, or None."""
+    return next(((p, f) for p, f in self.layer_overrides if fnmatch.fnmatchcase(name, p)),
+                None)
 
-  def choose(self, decide: Callable[[str], T], *, never: str, always: str, name: str) -> T:
-    """Applies ``collective_matmul`` to layer ``name``: ``decide(mode)`` for the mode it names.
+  def choose(self, decide: Callable[..., T], *, never: str, always: str, name: str) -> T:
+    """Applies ``collective_matmul`` (or the layer's override) to layer ``name``:
+    ``decide(mode, gradients_alone)`` for the mode it names.
 
     ``never`` and ``always`` are the layer kind's modes for those settings;
     ``auto`` lets the cost model pick. Under ``always`` a layer that cannot run
     that mode (``decide`` raises ValueError) gets ``auto``'s decision, whose
-    reason says why it stays plain. A layer ``plain_layers`` names runs as under
-    ``never`` whatever the setting, with a reason naming the pattern.
+    reason says why it stays plain. A layer ``layer_overrides`` names runs as its form says
+    whatever the setting, with a reason naming the pattern.
     """
-    pattern = self.plain_pattern(name)
-    if pattern is not None:
-      return dataclasses.replace(decide(never), reason=f'parallelism.plain_layers: {pattern!r}')
-    if self.collective_matmul == 'never':
-      return decide(never)
-    if self.collective_matmul == 'always':
+    entry = self.override(name)
+    form = entry[1] if entry else {'never': 'plain', 'always': 'ring'}.get(
+        self.collective_matmul, 'auto')
+    if form == 'plain':
+      decision = decide(never, False)
+    elif form == 'ring':
       try:
-        return decide(always)
+        decision = decide(always, False)
       except ValueError:
-        pass
-    return decide('auto')
+        decision = decide('auto', False)
+    else:
+      decision = decide('auto', form == 'gradients')
+    if entry:
+      decision = dataclasses.replace(
+          decision, reason=f'parallelism.layer_overrides {entry[0]}={entry[1]}: ' +
+          decision.reason)
+    return decision
+
+
+def parse_overrides(text: str) -> tuple[tuple[str, str], ...]:
+  """``parallelism.layer_overrides`` ('PATTERN=FORM,...') as (pattern, form) pairs;
+  ValueError naming the first bad entry."""
+  pairs = []
+  for entry in filter(None, (e.strip() for e in text.split(','))):
+    pattern, eq, form = entry.partition('=')
+    if not eq or not pattern.strip() or form.strip() not in LAYER_FORMS:
+      raise ValueError(f'parallelism.layer_overrides: {entry!r} is not PATTERN=FORM with '
+                       f'FORM one of {LAYER_FORMS}')
+    pairs.append((pattern.strip(), form.strip()))
+  return tuple(pairs)
 
 
 class PlannedLayer(NamedTuple):
@@ -234,23 +244,17 @@ class ShardedOps(Ops):
              save_parts=None, position_wise=None):
     specs = tuple(self.spec(a) for a in (x_axes, w_axes, out_axes))
     decision = self._decision(name, specs, lambda: self.policy.choose(
-        lambda mode: explain(
+        lambda mode, alone: explain(
             equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
             lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
             hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype,
             gradient_accumulators=self.policy.gradient_accumulators,
-            gradient_rings=self.policy.gradient_rings,
-            gather_pairs=self.policy.gather_pairs),
-        never='none', always=self.policy.direction, name=name))
+            gradient_rings='any_forward' if alone else 'ringed_forward',
+            prefer=dict(self.policy.prefer)),
+        never='none', always='always', name=name))
     with jax.named_scope(name):  # names the layer's ops (and collectives) in HLO
       out = run_decision(decision, x, w, mesh=self.mesh, lhs_spec=specs[0],
-                         rhs_spec=specs[1], out_spec=specs[2], unroll=self.policy.unroll,
-                         ring_dtype=self.policy.ring_dtype,
-                         block_layout=self.policy.block_layout,
-                         last_contribution=self.policy.last_contribution,
-                         weight_gradient_gather=self.policy.weight_gradient_gather,
-                         ring_additions=self.policy.ring_additions,
-                         gather_pairs=self.policy.gather_pairs)
+                         rhs_spec=specs[1], out_spec=specs[2])
     self._declare(position_wise)
     return saved(out, save_as, save_parts if decision.mode != 'none' else None)
 
@@ -277,7 +281,7 @@ class ShardedOps(Ops):
     if axis is not None and self.mesh.shape[axis] > 1:
       moe.check_layout(axis, dispatched, at_experts)
     decision = self._decision(name, (dispatched, at_experts), lambda: self.policy.choose(
-        lambda mode: moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis,
+        lambda mode, _: moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis,
                                 chunks, mode, self.policy.hardware, dispatched,
                                 weight_bytes / split),
         never='single', always='chunked', name=name))
@@ -365,10 +369,11 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
   planner = _Planner(mesh, rules, policy, plan={})
   jax.eval_shape(lambda: forward(planner))
   plan = _with_ring_order(planner._plan, planner.chains)  # pylint: disable=protected-access
-  unused = [p for p in policy.plain_layers if not any(fnmatch.fnmatchcase(n, p) for n in plan)]
+  unused = [p for p, _ in policy.layer_overrides
+            if not any(fnmatch.fnmatchcase(n, p) for n in plan)]
   if unused:
-    raise ValueError(f'parallelism.plain_layers: {unused[0]!r} matches no layer (the layers: '
-                     f'{", ".join(plan)})')
+    raise ValueError(f'parallelism.layer_overrides: {unused[0]!r} matches no layer (the '
+                     f'layers: {", ".join(plan)})')
   return plan
 
 

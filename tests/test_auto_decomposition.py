@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from parallelism import hlo_text, pair_sums, report
+from parallelism import hlo_text, pair_sums, report, sharding
 from tests.test_cli import DEFAULT, TINY
 from trainer import loop, state, step, train
 
@@ -35,27 +35,29 @@ def _losses(workdir):
     return [r['loss'] for r in map(json.loads, f) if 'loss' in r]
 
 
-@pytest.mark.parametrize('layout', [[], ['--config.model.scan_layers=true',
-                                         '--config.model.remat=minimal'],
-                                    # unidirectional rings, reduce-scatters' additions
-                                    # fused in halves (the 500B's ring_additions)
-                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2',
-                                     '--config.mesh.tensor=4',
-                                     '--config.model.fused_projections=true',
-                                     '--config.parallelism.ring_additions=fused'],
-                                    # the 500B's ring settings, on bidirectional rings
-                                    ['--config.mesh.data=1', '--config.mesh.fsdp=2',
-                                     '--config.mesh.tensor=4',
-                                     '--config.model.fused_projections=true',
-                                     '--config.model.scan_layers=true',
-                                     '--config.model.remat=minimal',
-                                     '--config.parallelism.direction=bidirectional',
-                                     '--config.parallelism.unroll=2',
-                                     '--config.parallelism.block_layout=contiguous',
-                                     '--config.parallelism.last_contribution=apart',
-                                     '--config.parallelism.weight_gradient_gather=before']],
-                         ids=['layers', 'scanned+remat', 'fsdp+tensor+fused', 'ring-settings'])
-def test_always_trains_like_never(tmp_path, layout):
+FSDP_TENSOR = ['--config.mesh.data=1', '--config.mesh.fsdp=2', '--config.mesh.tensor=4',
+               '--config.model.fused_projections=true']
+
+
+def _prefer(monkeypatch, **prefer):
+  """Runs from here on plan their rings with ``prefer``'s schedule settings (as a plan file
+  sets them): on the CPU profile the planner's own are the simplest."""
+  real = sharding.MatmulPolicy.from_config
+  monkeypatch.setattr(sharding.MatmulPolicy, 'from_config', classmethod(
+      lambda cls, cfg: dataclasses.replace(real(cfg), prefer=tuple(prefer.items()))))
+
+
+@pytest.mark.parametrize('layout, prefer', [
+    ([], {}), (['--config.model.scan_layers=true', '--config.model.remat=minimal'], {}),
+    # unidirectional rings, reduce-scatters' additions fused in halves
+    (FSDP_TENSOR, {'additions': 'fused'}),
+    # what the planner picks where transfers overlap, on bidirectional rings
+    (FSDP_TENSOR + ['--config.model.scan_layers=true', '--config.model.remat=minimal'],
+     {'direction': 'bidirectional', 'unroll': 2, 'layout': 'contiguous', 'last': 'apart',
+      'gather': 'before', 'pairs': 'apart', 'additions': 'fused'})],
+    ids=['layers', 'scanned+remat', 'fsdp+tensor+fused', 'ring-settings'])
+def test_always_trains_like_never(tmp_path, monkeypatch, layout, prefer):
+  _prefer(monkeypatch, **prefer)
   steps = 20 if not layout else 5
   common = [f'--config.steps={steps}', '--config.log_every=1', '--config.eval_every=0', *layout]
   losses = {}
@@ -78,10 +80,10 @@ def test_always_trains_like_never(tmp_path, layout):
 def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, monkeypatch,
                                                                        additions):
   # data=2 x fsdp=4, no tensor axis: every forward einsum is the compiler's, and under
-  # gradient_rings='any_forward' each weight gradient rings over fsdp where the cost model
-  # says it pays, which on the CPU profile it never does; here every ring is made to. Under
-  # ring_additions='kernel' each of their rounds is parallelism/pair_sums.py's kernel
-  # (Pallas's interpreter on CPU).
+  # the layer override 'gradients' each weight gradient rings over fsdp where the cost model
+  # says it pays, which on the CPU profile it never does; here every ring is made to. With
+  # the schedule's additions 'kernel' each of their rounds is parallelism/pair_sums.py's
+  # kernel (Pallas's interpreter on CPU).
   module = importlib.import_module('parallelism.collective_einsum')  # not the function
   real = module._estimate
   monkeypatch.setattr(module, '_estimate', lambda *a, **k: dataclasses.replace(
@@ -94,8 +96,8 @@ def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, 
   common = ['--config.steps=5', '--config.log_every=1', '--config.eval_every=0',
             '--config.mesh.data=2', '--config.mesh.fsdp=4', '--config.mesh.tensor=1',
             '--config.model.scan_layers=true', '--config.model.remat=minimal',
-            '--config.parallelism.gradient_rings=any_forward',
-            f'--config.parallelism.ring_additions={additions}']
+            '--config.parallelism.layer_overrides=blocks.*=gradients']
+  _prefer(monkeypatch, additions=additions)
   losses = {}
   for policy in ('never', 'auto'):
     run = _run(tmp_path / policy, f'--config.parallelism.collective_matmul={policy}', *common)
@@ -111,23 +113,23 @@ def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, 
   assert bool(kernels) == (additions == 'kernel'), kernels
 
 
-def test_plain_layers_stay_plain_under_always(tmp_path):
-  # parallelism.plain_layers names layers by the report's paths ('*' matches any part):
-  # those run as under 'never', with a reason naming the pattern; the others as before.
+def test_layer_overrides_name_layers_by_their_report_paths(tmp_path):
+  # parallelism.layer_overrides names layers by the report's paths ('*' matches any part):
+  # those run as their form says, with a reason naming the entry; the others as before.
   run = _run(tmp_path / 'ok', '--config.parallelism.collective_matmul=always',
-             '--config.parallelism.plain_layers=blocks.*.attn.o, unembed')
+             '--config.parallelism.layer_overrides=blocks.*.attn.o=plain, unembed=plain')
   plan = run.model.ops.plan
-  plain = {p: d.reason for p, (d, _) in plan.items() if d.mode == 'none'}
-  assert plain == {'blocks.0.attn.o': "parallelism.plain_layers: 'blocks.*.attn.o'",
-                   'blocks.1.attn.o': "parallelism.plain_layers: 'blocks.*.attn.o'",
-                   'unembed': "parallelism.plain_layers: 'unembed'"}, plain
+  plain = {p: d.reason.split(':')[0] for p, (d, _) in plan.items() if d.mode == 'none'}
+  assert plain == {'blocks.0.attn.o': 'parallelism.layer_overrides blocks.*.attn.o=plain',
+                   'blocks.1.attn.o': 'parallelism.layer_overrides blocks.*.attn.o=plain',
+                   'unembed': 'parallelism.layer_overrides unembed=plain'}, plain
   assert {'blocks.0.mlp.down', 'blocks.1.attn.q'} <= {
       p for p, (d, _) in plan.items() if d.mode == 'unidirectional'}
-  with pytest.raises(ValueError, match=r"plain_layers: 'blocks\.\*\.attn\.x' matches no "
+  with pytest.raises(ValueError, match=r"layer_overrides: 'blocks\.\*\.attn\.x' matches no "
                                        r'layer \(the layers: blocks\.0\.attn\.q, '):
-    _run(tmp_path / 'bad', '--config.parallelism.plain_layers=blocks.*.attn.x')
-  with pytest.raises(ValueError, match="plain_layers='unembed,' has an empty pattern"):
-    _run(tmp_path / 'empty', '--config.parallelism.plain_layers=unembed,')
+    _run(tmp_path / 'bad', '--config.parallelism.layer_overrides=blocks.*.attn.x=plain')
+  with pytest.raises(ValueError, match="layer_overrides: 'unembed=flat' is not PATTERN=FORM"):
+    _run(tmp_path / 'form', '--config.parallelism.layer_overrides=unembed=flat')
 
 
 def test_the_mlp_leaves_its_tokens_in_ring_order_only_between_rings(tmp_path):
@@ -143,7 +145,7 @@ def test_the_mlp_leaves_its_tokens_in_ring_order_only_between_rings(tmp_path):
   assert rows['blocks.0.attn.o']['ring_order'] is None
   assert 'unidirectional, lhs in ring order' in report.table(list(rows.values()))
   run = _run(tmp_path / 'plain', '--config.parallelism.collective_matmul=always',
-             '--config.parallelism.plain_layers=blocks.*.mlp.down')
+             '--config.parallelism.layer_overrides=blocks.*.mlp.down=plain')
   assert [run.model.ops.plan[n].decision.ring_order for n in names] == ['', '', '']
 
 
@@ -179,13 +181,12 @@ def test_gradients_agree_at_step_0(setups):
   _assert_gradients_agree(grads['always'], grads['never'])
 
 
-def test_bidirectional_gradients_agree_at_step_0(setups, tmp_path):
-  # parallelism.direction=bidirectional: every decomposed layer's rings (tensor=4, an
-  # even ring: the opposite block in halves) and their gradients' give the plain step's
-  # gradients.
+def test_bidirectional_gradients_agree_at_step_0(setups, tmp_path, monkeypatch):
+  # Bidirectional rings on every decomposed layer (tensor=4, an even ring: the opposite
+  # block in halves) and their gradients' give the plain step's gradients.
+  _prefer(monkeypatch, direction='bidirectional')
   run = _run(tmp_path, '--config.parallelism.collective_matmul=always',
-             '--config.parallelism.direction=bidirectional', '--config.mesh.data=2',
-             '--config.mesh.tensor=4')
+             '--config.mesh.data=2', '--config.mesh.tensor=4')
   s = loop.setup(run)
   modes = {d.mode for d, _ in s.ops.plan.values()}
   assert 'bidirectional' in modes and 'unidirectional' not in modes, modes

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, step_model
 from parallelism import ring as ring_lib
 from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
-                                          GATHER_PAIRS, explain, keeps_cotangent,
-                                          local_elements, ring_order_fits, run_decision)
+                                          explain, keeps_cotangent, local_elements,
+                                          ring_order_fits, run_decision, with_schedules)
 from parallelism.einsum_plan import Equation
 
 T, D = 'tensor', 'data'
@@ -78,9 +78,17 @@ def _rel(a, b):
 def _run(eq, lhs_spec, rhs_spec, out_spec, mesh, lhs, rhs, mode, unroll=1):
   f = lambda x, w: collective_einsum(eq, x, w, mesh=mesh, lhs_spec=lhs_spec,
                                      rhs_spec=rhs_spec, out_spec=out_spec, mode=mode,
-                                     unroll=unroll)
+                                     prefer={'unroll': unroll})
   loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * weights(f(x, w).shape))
   return jax.jit(f), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _ran(d, x, w, *, mesh, lhs_spec, rhs_spec, out_spec, **prefer):
+  """``run_decision`` of ``d`` with its rings' schedules chosen anew under ``prefer``."""
+  d = with_schedules(d, x.shape, w.shape, mesh=mesh, lhs_spec=lhs_spec, rhs_spec=rhs_spec,
+                     out_spec=out_spec, prefer=prefer)
+  return run_decision(d, x, w, mesh=mesh, lhs_spec=lhs_spec, rhs_spec=rhs_spec,
+                      out_spec=out_spec)
 
 
 def weights(shape):
@@ -464,8 +472,8 @@ def test_gradients_left_to_the_compiler_carry_the_wire_dtype():
   ref = jax.grad(lambda w: jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).sum())(w)
   for ring_dtype, want in (('compute', 'bf16'), ('float32', 'f32')):
     grad = jax.jit(jax.grad(lambda w, r=ring_dtype: run_decision(
-        d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
-        ring_dtype=r).astype(jnp.float32).sum()))
+        dataclasses.replace(d, ring_dtype=r), x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+        out_spec=os_).astype(jnp.float32).sum()))
     text = grad.lower(w).as_text()
     assert set(re.findall(r'dot_general.*-> tensor<16x32x(\w+)>', text)) == {want}
     assert _rel(grad(w), ref) < 2e-2
@@ -767,8 +775,8 @@ def test_contiguous_blocks_lay_out_what_the_weight_gradient_ring_slices():
   eq, ls, rs, os_ = DOWN
   mesh, x, w, d = _weight_gradient_over_fsdp(DOWN)
   for block_layout, pinned in (('compiler', False), ('contiguous', True)):
-    f = lambda x, w: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                  out_spec=os_, block_layout=block_layout)
+    f = lambda x, w: _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                  out_spec=os_, layout=block_layout)
     _assert_gradients_match_einsum(f, eq, x, w)
     loss = lambda x, w: jnp.sum(f(x, w) * weights((8, 4, 8)))
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w)
@@ -776,17 +784,17 @@ def test_contiguous_blocks_lay_out_what_the_weight_gradient_ring_slices():
     # the forward slices no minor dim: its only constraints are the accumulators'
     assert ('LayoutConstraint' in jax.jit(f).lower(x, w).as_text()) == pinned
     assert bool(re.search(r'f32\[\d+,\d+,8\]\{1,2,0\}', lowered.compile().as_text())) == pinned
-  with pytest.raises(ValueError, match="block_layout='tiled'"):
-    run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
-                 block_layout='tiled')
+  with pytest.raises(ValueError, match="layout='tiled'"):
+    _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+                 layout='tiled')
 
 
 UP = ('btd,df->btf', P(B, T, None), P(F, T), P(B, None, T))  # mlp.up, sequence-parallel input
 
 
 @pytest.mark.parametrize('option, default, value, pattern', [
-    ('last_contribution', 'fused', 'apart', DOWN),
-    ('weight_gradient_gather', 'beside', 'before', UP)])
+    ('last', 'fused', 'apart', DOWN),
+    ('gather', 'beside', 'before', UP)])
 def test_ring_schedule_options_add_a_wait_and_keep_the_values(option, default, value,
                                                                pattern):
   # last_contribution='apart': the forward reduce-scatter ring's own contribution goes
@@ -799,16 +807,15 @@ def test_ring_schedule_options_add_a_wait_and_keep_the_values(option, default, v
   assert d.axis == T and d.mode == 'bidirectional'
   barriers = {}
   for choice in (default, value):
-    f = lambda x, w, c=choice: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                            out_spec=os_, **{option: c})
+    f = lambda x, w, c=choice: _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                    out_spec=os_, **{option: c})
     _assert_gradients_match_einsum(f, eq, x, w)
     loss = lambda x, w, f=f: jnp.sum(f(x, w) * weights(f(x, w).shape))
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
     barriers[choice] = sum(e.primitive.name == 'optimization_barrier' for e in _eqns(jaxpr))
   assert barriers[value] > barriers[default]
   with pytest.raises(ValueError, match=f"{option}='late'"):
-    run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
-                 **{option: 'late'})
+    _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, **{option: 'late'})
 
 
 def test_operands_gathered_along_their_minor_dim_come_first():
@@ -818,14 +825,14 @@ def test_operands_gathered_along_their_minor_dim_come_first():
   mesh = _mesh(2, data=1)
   eq, ls, rs, os_ = DOWN
   x, w = jnp.zeros((8, 4, 16)), jnp.zeros((16, 8))
-  cfg = _Static(eq, mesh, ls, rs, os_, T, True, 1, backward_over=(None, (F, 'bidirectional')))
+  cfg = _Static(eq, mesh, ls, rs, os_, T, True, backward_over=(None, (F, 'bidirectional')))
   moved, _, w_moved = _gathered_dims_major(cfg, x, w)
   assert moved.equation == 'btf,df->btd' and moved.rhs_spec == P(F, T)
   assert w_moved.shape == (8, 16)
   grad = cfg.transposed('rhs')
   assert _gathered_dims_major(grad, x, jnp.zeros((8, 4, 8)))[0] is grad
   eq, ls, rs, os_, _ = PATTERNS[0]
-  cfg = _Static(eq, mesh, ls, rs, os_, T, True, 1)
+  cfg = _Static(eq, mesh, ls, rs, os_, T, True)
   assert _gathered_dims_major(cfg, x, w)[0] is cfg
 
 
@@ -1028,8 +1035,8 @@ def test_fused_additions_send_each_accumulator_in_halves_and_keep_the_values(n):
     w = jax.random.normal(jax.random.key(1), (3 * n, d_size))
     d = explain(eq, x.shape, w.shape, 'float32', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
                 out_spec=os_, mode=mode)
-    f = lambda x, w, d=d, c=choice: run_decision(d, x, w, mesh=mesh, lhs_spec=ls,
-                                                 rhs_spec=rs, out_spec=os_, ring_additions=c)
+    f = lambda x, w, d=d, c=choice: _ran(d, x, w, mesh=mesh, lhs_spec=ls,
+                                                 rhs_spec=rs, out_spec=os_, additions=c)
     np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
     _assert_gradients_match_einsum(f, eq, x, w)
     sizes[mode, d_size, choice] = _permute_sizes(f, x, w, mesh=mesh)
@@ -1051,8 +1058,8 @@ def test_fused_additions_leave_bidirectional_weight_gradient_rings_joined():
   mesh, x, w, d = _weight_gradient_over_fsdp(DOWN)
   sizes = {}
   for choice in ('apart', 'fused'):
-    f = lambda x, w, c=choice: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                            out_spec=os_, ring_additions=c)
+    f = lambda x, w, c=choice: _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                            out_spec=os_, additions=c)
     _assert_gradients_match_einsum(f, eq, x, w)
     loss = lambda w, f=f: jnp.sum(f(x, w) * weights((8, 4, 8)))
     module = hlo_text.parse(jax.jit(jax.grad(loss)).lower(w).compile().as_text())
@@ -1084,8 +1091,8 @@ def test_kernel_additions_run_each_weight_gradient_round_as_one_pallas_kernel():
   mesh, x, w, d = _kernel_weight_gradient()
   kernels = {}
   for choice in ('fused', 'kernel'):
-    f = lambda x, w, c=choice: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                            out_spec=os_, ring_additions=c)
+    f = lambda x, w, c=choice: _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                            out_spec=os_, additions=c)
     _assert_gradients_match_einsum(f, eq, x, w)
     loss = lambda x, w, f=f: jnp.sum(f(x, w) * weights((8, 4, 8)))
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
@@ -1101,8 +1108,8 @@ def test_kernel_additions_round_once_a_step_in_bf16():
   wide = lambda a: a.astype(jnp.float32)
   loss = lambda f: lambda w: jnp.sum(wide(f(x, w)) * weights((8, 4, 8)))
   ref = jax.grad(loss(lambda a, b: jnp.einsum(eq, wide(a), wide(b))))(w)
-  errors = {c: _rel(wide(jax.jit(jax.grad(loss(lambda a, b, c=c: run_decision(
-      d, a, b, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, ring_additions=c))))(w)),
+  errors = {c: _rel(wide(jax.jit(jax.grad(loss(lambda a, b, c=c: _ran(
+      d, a, b, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, additions=c))))(w)),
       ref) for c in ('apart', 'kernel')}
   assert errors['kernel'] < 1.5e-2 and errors['kernel'] < 1.5 * errors['apart'], errors
 
@@ -1114,13 +1121,13 @@ def test_fused_additions_round_once_a_step_in_bf16():
   ref = jnp.einsum(eq, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
   d = explain(eq, lhs.shape, rhs.shape, 'bfloat16', mesh=mesh, lhs_spec=ls, rhs_spec=rs,
               out_spec=os_, mode='unidirectional')
-  errors = {c: _rel(jax.jit(lambda x, w, c=c: run_decision(
-      d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, ring_additions=c))(
+  errors = {c: _rel(jax.jit(lambda x, w, c=c: _ran(
+      d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_, additions=c))(
           lhs, rhs), ref) for c in ('apart', 'fused')}
   assert errors['fused'] < 1.5e-2 and errors['fused'] < 1.5 * errors['apart'], errors
-  with pytest.raises(ValueError, match="ring_additions='late'"):
-    run_decision(d, lhs, rhs, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
-                 ring_additions='late')
+  with pytest.raises(ValueError, match="additions='late'"):
+    _ran(d, lhs, rhs, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+                 additions='late')
 
 
 def _pairs_dots(d, eq, ls, rs, os_, mesh, x, w):
@@ -1128,9 +1135,9 @@ def _pairs_dots(d, eq, ls, rs, os_, mesh, x, w):
   rings', the loss being linear)} for ``d``, after checking both settings' values and
   gradients against the plain einsum."""
   dots = {}
-  for pairs in GATHER_PAIRS:
-    f = lambda x, w, p=pairs: run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
-                                           out_spec=os_, gather_pairs=p)
+  for pairs in ('joined', 'apart'):
+    f = lambda x, w, p=pairs: _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs,
+                                           out_spec=os_, pairs=p)
     np.testing.assert_allclose(jax.jit(f)(x, w), jnp.einsum(eq, x, w), rtol=1e-5, atol=1e-5)
     _assert_gradients_match_einsum(f, eq, x, w)
     loss = lambda x, w, f=f: jnp.sum(f(x, w))
@@ -1168,9 +1175,9 @@ def test_gather_pairs_apart_in_a_ring_that_keeps_what_it_gathered():
   dots = _pairs_dots(d, eq, ls, rs, os_, mesh, x, w)
   assert dots['apart'][0] == dots['joined'][0]
   assert dots['apart'][1] == dots['joined'][1] + 1, dots  # one pair round on a ring of 4
-  with pytest.raises(ValueError, match="gather_pairs='split'"):
-    run_decision(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
-                 gather_pairs='split')
+  with pytest.raises(ValueError, match="pairs='split'"):
+    _ran(d, x, w, mesh=mesh, lhs_spec=ls, rhs_spec=rs, out_spec=os_,
+                 pairs='split')
 
 
 @pytest.mark.parametrize('n', [4, 8])

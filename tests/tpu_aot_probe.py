@@ -2,9 +2,9 @@
 
 Arguments: mode, kind ('ag' or 'rs' over tensor; 'wg': an FSDP layer, whose weight
 gradient rings over fsdp), chip, a layer count (the gradient of a scan over
-that many layers of the einsum; 0: the einsum alone), ``parallelism.ring_additions``
-(default ``apart``), ``parallelism.gather_pairs`` (default ``joined``), the decision's
-``ring_order`` (default '': none) and ``parallelism.unroll`` (default 1). Run by tests/test_tpu_aot.py in its
+that many layers of the einsum; 0: the einsum alone), the rings' schedule settings
+(parallelism/schedule.py) ``additions`` (default ``apart``) and ``pairs`` (default
+``joined``), the decision's ``ring_order`` (default '': none) and ``unroll`` (default 1). Run by tests/test_tpu_aot.py in its
 own process: LIBTPU_INIT_ARGS (which turns XLA's own windowed einsum off) is read once per
 process. Prints the scheduled TPU HLO.
 """
@@ -47,10 +47,11 @@ def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0',
   else:
     eq, ls, rs, specs = 'tf,fd->td', (8192, 16384), (16384, 4096), (P(None, t), P(t, None), P(t, None))
   kw = dict(mesh=mesh, lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2])
+  prefer = {'additions': ring_additions, 'pairs': gather_pairs, 'unroll': int(unroll)}
   decide = lambda x, w: dataclasses.replace(
-      explain(eq, x.shape, w.shape, x.dtype, mode=mode, **kw), ring_order=ring_order)
-  einsum = lambda x, w: run_decision(decide(x, w), x, w, ring_additions=ring_additions,
-                                     gather_pairs=gather_pairs, unroll=int(unroll), **kw)
+      explain(eq, x.shape, w.shape, x.dtype, mode=mode, prefer=prefer, **kw),
+      ring_order=ring_order)
+  einsum = lambda x, w: run_decision(decide(x, w), x, w, **kw)
   f = jax.jit(einsum)
   arg_specs = specs
   if layers:  # the gradient of a scan over stacked weights, as a train step's layers

@@ -189,67 +189,16 @@ class Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class Parallelism:
-  """Decomposed collective einsums (parallelism/sharding.py, parallelism/ring.py)."""
-  collective_matmul: str = _key('always', 'dense layers as decomposed collective einsums: auto '
-                                          '(the cost model decides per layer with '
-                                          "hardware.name's profile) | always (every eligible "
-                                          'layer) | never')
-  direction: str = _key('unidirectional', 'ring direction under always: unidirectional | '
-                                          'bidirectional (under auto the cost model chooses)')
-  unroll: int = _key(1, 'ring steps per loop iteration (at least 1); a ring of at most '
-                        'that many steps runs with no loop')
-  ring_dtype: str = _key('compute', 'what partial sums travel and rest in (rings, and '
-                                    "the compiler's collectives of plain einsums): compute "
-                                    "(the model's dtype; each device adds in fp32) | float32")
-  gradient_accumulators: str = _key('any', 'weight-gradient rings under auto: any (the cost '
-                                           "model's fastest form) | sharded (none whose "
-                                           'accumulator holds the gradient whole over fsdp; '
-                                           'for models tight on memory)')
-  gradient_rings: str = _key('ringed_forward', 'which layers\' gradients auto may ring: '
-                                               'ringed_forward (only where the forward '
-                                               'rings) | any_forward (also a weight '
-                                               "gradient beside the compiler's forward, "
-                                               "where the compiler's reduce-scatter would "
-                                               'block)')
-  plain_layers: str = _key('', 'layers that run as plain einsums (or a single expert '
-                               'all-to-all) whatever collective_matmul says: comma-separated '
-                               'paths as the parallelism report names them, * matching any '
-                               "part (e.g. 'blocks.*.attn.o,unembed'); each must match a layer")
-  block_layout: str = _key('compiler', "layout of the operands rings slice: compiler (the "
-                                       "compiler's choice; it copies an operand sliced "
-                                       'along its minor dimension whole, to make blocks '
-                                       'contiguous) | contiguous (laid out so where it is '
-                                       "made: no copy; and reduce-scatter rings' activation "
-                                       'accumulators as their einsums write them)')
-  last_contribution: str = _key('fused', "a forward reduce-scatter ring's own block: fused "
-                                         "(the compiler may fuse its einsum with the last "
-                                         'additions and what follows, which then wait for '
-                                         'the last transfer) | apart (computed while the '
-                                         'last accumulators travel)')
-  weight_gradient_gather: str = _key('beside', 'a weight gradient ringed over another axis '
-                                               "whose operand the compiler gathers over the "
-                                               "forward's axis: beside (the gather runs beside "
-                                               "the data gradient's ring, on its links) | "
-                                               'before (before that ring where it is '
-                                               'bidirectional)')
-  ring_additions: str = _key('apart', "a reduce-scatter ring's additions of partial sums: "
-                                      'apart (a pass after each einsum) | fused (into the '
-                                      'einsums, each accumulator travelling in two halves '
-                                      'that take turns; unidirectional rings and even '
-                                      'bidirectional ones with activation outputs, where an '
-                                      'output dimension the unsliced operand carries has '
-                                      'even size) | kernel (as fused, and each round of an '
-                                      "even bidirectional weight gradient's ring one Pallas "
-                                      'kernel for both directions, adding both arriving '
-                                      'accumulators; where the sliced operand is '
-                                      '[contracted..., sliced] and every mesh axis of size '
-                                      "> 1 is one the ring's shard_map holds manual)")
-  gather_pairs: str = _key('joined', "a bidirectional all-gather ring's two blocks a "
-                                     'round, where their products go to different parts '
-                                     'of the output: joined (one einsum over both; the '
-                                     'blocks copied together and the product split apart) '
-                                     '| apart (an einsum a block, each product written '
-                                     'where it goes; the other operand read twice a round)')
+  """Decomposed collective einsums (parallelism/sharding.py); each ring's schedule is the
+  planner's (parallelism/schedule.py)."""
+  collective_matmul: str = _key('auto', 'dense layers as collective einsums: auto (the cost '
+                                        'model decides per layer) | always | never')
+  ring_dtype: str = _key('compute', "partial sums on the wire: compute (the model's dtype; "
+                                    'adds in fp32) | float32')
+  gradient_accumulators: str = _key('any', 'weight-gradient rings: any | sharded (none '
+                                           'holding it whole over fsdp: less memory)')
+  layer_overrides: str = _key('', "'PATTERN=FORM,...' (report's layer paths, * any part); "
+                                  'FORM auto | ring | plain | gradients')
 
 
 @dataclasses.dataclass(frozen=True)
