@@ -65,9 +65,10 @@ the formulas above do not count, so a near tie goes to the simpler ring (the 500
 This mirrors XLA's own rule (spmd dot handler), which skips windowed einsum
 when ``max(T_comp, m T_comm) + 2 m T_comm / N >= T_comp + T_comm``.
 
-Where the step model differs. Each of these, priced as the step model prices it, either
-moved decisions that then compiled slower (docs/paper_scale.md) or was not tried on
-compiled programs; the planner keeps its price until a compiled program says otherwise:
+Where the step model differs, on purpose. Each of these, priced as the step model prices
+it, moved decisions that then compiled slower (docs/paper_scale.md), or was not tried on
+compiled programs, or needs the compiled schedule, which the planner does not have; the
+planner keeps its price until compiled programs say otherwise:
 
 * **An axis over several torus dimensions.** ``T_comm`` takes the axis as one dimension of
   N chips. The step model reads the chips' coordinates and charges a group spanning
@@ -75,8 +76,8 @@ compiled programs; the planner keeps its price until a compiled program says oth
   with extents ``[n_1, n_2]``): over ``fsdp`` = 8 x 16, half the transfer time and 4 + 8
   steps of latency, not 64. Priced so (the span read from the mesh devices' coordinates),
   v4 500B's ``unembed`` and v5p 500B's ``mlp.down`` weight gradients moved to rings over
-  ``tensor`` and both compiled slower ("Tried and not kept: the compiler's collective priced
-  over every torus dimension its axis spans").
+  ``tensor`` and both compiled slower (docs/paper_scale.md, "Tried and not kept: the
+  compiler's collective priced over every torus dimension its axis spans").
 * **A ring step's launch.** Each ring step (and bidirectional round) costs ``max(c, t)``
   plus one more step latency, for launching its einsum and update; the step model charges
   a compiled step the larger of its compute and its collective-permute and no launch. Not
@@ -159,7 +160,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   shards = math.prod(mesh.shape.values())
   if flops is None:
     flops = 2 * math.prod(sizes.values()) / shards
-  peak, link = pricing.rates(profile)
+  peak, link, hbm = pricing.rates(profile)
   itemsize = jnp.dtype(dtype).itemsize
   if local is None:
     local = tuple(math.prod(sizes[l] for l in letters) / shards
@@ -172,7 +173,6 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
     block = local[2] * wire
   else:
     block = local[0 if plan.gathered == 'lhs' else 1] * itemsize
-  hbm = profile.hbm_bandwidth or math.inf
   copied = _sliced_copy_bytes(eq, plan, blocks, n, itemsize)
   t_comp = pricing.compute_seconds(flops, plain_bytes, peak, hbm)
   c = pricing.compute_seconds(flops / n, step_bytes, peak, hbm) + copied / hbm

@@ -70,12 +70,11 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
   expert weights one device reads in each pass over its tokens.
   """
   profile = hw.get_profile(hardware)
-  peak, link = pricing.rates(profile)
+  peak, link, hbm = pricing.rates(profile)
   tokens = math.prod(shape_becd) * itemsize / (shards or devices)
   exchange = lambda parts: pricing.ring_collective_seconds(
       tokens / parts, [n], link, profile.ring_links, profile.step_latency)
   a, a_c = exchange(1), exchange(chunks)
-  hbm = profile.hbm_bandwidth or math.inf
   experts = lambda parts: pricing.compute_seconds(
       expert_flops / devices / parts, weight_bytes + 2 * tokens / parts, peak, hbm)
   t_c = experts(chunks)

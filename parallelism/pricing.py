@@ -4,8 +4,8 @@ model (parallelism/step_model.py, which prices the compiled program) both use.
 
 * **Rates.** A chip's matmuls run at ``MATMUL_EFFICIENCY`` of its data-sheet peak and its
   links carry ``LINK_EFFICIENCY`` of their data-sheet bandwidth: the step model's two
-  fitted constants (its docstring, "Calibration"; ``python -m benchmarks.calibrate``).
-  ``rates`` gives a hardware profile's at them.
+  fitted constants (its docstring, "Calibration"; ``python -m benchmarks.calibrate``). HBM
+  runs at its data-sheet bandwidth. ``rates`` gives a hardware profile's.
 * **Compute** (``compute_seconds``): an einsum, or one ring step of it, takes
   ``max(F / matmul rate, B / HBM bandwidth)`` for ``F`` matmul FLOPs and ``B`` bytes read
   and written: bound by its FLOPs or by its HBM traffic, whichever is slower.
@@ -29,12 +29,13 @@ LINK_EFFICIENCY = 1.0     # fraction of the data-sheet link bandwidth a collecti
 CPU_NOMINAL_FLOPS = 25e9  # the CPU profile has no fixed peak; nothing overlaps there anyway
 
 
-def rates(profile: hardware.HardwareProfile) -> tuple[float, float]:
-  """(matmul FLOP/s, link bytes/s one direction) of ``profile`` at the fitted constants,
-  as the step model rates the compiled program; the CPU profile's matmuls (no peak in the
-  table) at ``CPU_NOMINAL_FLOPS``."""
+def rates(profile: hardware.HardwareProfile) -> tuple[float, float, float]:
+  """(matmul FLOP/s, link bytes/s one direction, HBM bytes/s) of ``profile`` at the fitted
+  constants, as the step model rates the compiled program (``step_model.Chip``); the CPU
+  profile's matmuls (no peak in the table) at ``CPU_NOMINAL_FLOPS``, its memory traffic
+  free (no HBM bandwidth in the table: FLOPs alone count)."""
   peak = profile.peak_flops * MATMUL_EFFICIENCY or CPU_NOMINAL_FLOPS
-  return peak, profile.link_bandwidth * LINK_EFFICIENCY
+  return peak, profile.link_bandwidth * LINK_EFFICIENCY, profile.hbm_bandwidth or math.inf
 
 
 def compute_seconds(flops: float, hbm_bytes: float, matmul_rate: float,

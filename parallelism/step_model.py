@@ -10,7 +10,8 @@ Per instruction:
 
 The rates and the formulas for compute, ring steps and group collectives are
 parallelism/pricing.py's, which the planner's cost model (parallelism/cost_model.py) prices
-with too; this model reads what each instruction computes and moves.
+with too; this model reads what each instruction computes and moves. Where the planner
+prices otherwise on purpose, cost_model's docstring says ("Where the step model differs").
 
 * **Compute** (fusions, unfused ops): ``max(F / (peak_flops x matmul_efficiency),
   B / hbm_bandwidth)`` (``pricing.compute_seconds``).

@@ -49,4 +49,5 @@ def test_the_cost_model_prices_transfers_as_the_step_model_does():
   assert est.step_transfer_seconds == pytest.approx(
       step_model.collective_seconds(permute, 4096, chip, 4))
   assert est.comm_seconds == pytest.approx(step_model.collective_seconds(gather, 4096, chip, 4))
-  assert pricing.rates(hardware.get_profile('tpu_v4')) == (chip.matmul_rate, chip.link_rate)
+  assert pricing.rates(hardware.get_profile('tpu_v4')) == (chip.matmul_rate, chip.link_rate,
+                                                           chip.hbm_rate)
