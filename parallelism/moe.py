@@ -23,8 +23,9 @@ on one device:
   (``pricing.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
   the ring, the expert axis taken as one torus dimension, plus its latency);
 * the experts on a C-th of the tokens: ``T(C) = max(F / C / peak, (W + 2 B / C) /
-  HBM bandwidth)``, the step model's max(FLOPs, bytes) rule: every chunk reads all
-  of the weights again, and its tokens in and out (hidden activations not counted);
+  HBM bandwidth)``, the step model's max(FLOPs, bytes) rule (``pricing.compute_seconds``):
+  every chunk reads all of the weights again, and its tokens in and out (hidden
+  activations not counted);
 * ``single``: ``2a + T(1)``;
 * ``chunked`` with C chunks, each chunk's all-to-all ``a_C`` (the same formula for
   ``B / C``: a C-th of the bytes, all of the latency), asynchronous all-to-alls

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, pricing, step_model
+from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, pricing
 from parallelism import ring as ring_lib
 from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
                                           GATHER_PAIRS, explain, keeps_cotangent,
