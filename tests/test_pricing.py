@@ -16,9 +16,9 @@ HLO_READER = {'parallelism.step_model', 'parallelism.hlo_text', 'parallelism.ker
 
 @pytest.mark.parametrize('module', ['cost_model', 'pricing'])
 def test_the_planner_pricing_imports_no_hlo_reader(module):
-  # The package's __init__ imports collective_einsum and with it every module the planner
-  # runs beside (ring.py's kernels read HLO), so the module is loaded in a package of its
-  # own directory alone: what it imports, and nothing else, is loaded.
+  # The package's __init__ imports collective_einsum and with it the modules the planner
+  # runs beside (pair_sums.py imports kernels.py, an HLO reader), so the module is loaded
+  # from a bare package of the same directory: what it imports, and nothing else, is loaded.
   code = (f'import importlib, sys, types\n'
           f'pkg = types.ModuleType("parallelism")\n'
           f'pkg.__path__ = [{os.path.join(ROOT, "parallelism")!r}]\n'
