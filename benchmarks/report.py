@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 
-from parallelism import step_model
+from parallelism import pricing, step_model
 from trainer.hints import install_hint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -715,8 +715,8 @@ def render_mfu_target(aot: dict) -> list[str]:
           f"communication exposed) and the baseline's {base['compute_seconds']:.3f} s "
           f"({useful / base['compute_seconds']:.1%}): the program's matmul FLOPs are "
           f"{recompute:.2f}x the model's (with what remat `{s.get('remat', '?')}` recomputes), "
-          f"which at the fitted MXU rate ({step_model.MATMUL_EFFICIENCY:.0%} of peak) alone "
-          f"take {recompute * useful / step_model.MATMUL_EFFICIENCY:.3f} s. Between ours and "
+          f"which at the fitted MXU rate ({pricing.MATMUL_EFFICIENCY:.0%} of peak) alone "
+          f"take {recompute * useful / pricing.MATMUL_EFFICIENCY:.3f} s. Between ours and "
           f"{target:.0%}: its compute beyond "
           f"the baseline's ({ours['compute_seconds'] - base['compute_seconds']:+.3f} s, the "
           "terms above), its exposed communication "

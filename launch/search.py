@@ -80,7 +80,7 @@ import jax.numpy as jnp
 
 from models import attention
 from models.transformer import count_params
-from parallelism import hardware, step_model
+from parallelism import hardware, pricing
 from trainer import metrics, optim, validation
 from trainer.state import abstract_model
 
@@ -250,7 +250,7 @@ def modeled_mfu(model_cfg, params: int, model_flops: float, layout: Layout, chip
   its mesh axis."""
   m = model_cfg
   compute = model_flops * recompute_factor(m, layout.remat) / (chips * profile.peak_flops)
-  ring = lambda moved, n: step_model.ring_collective_seconds(
+  ring = lambda moved, n: pricing.ring_collective_seconds(
       moved, [n], profile.link_bandwidth, profile.ring_links, profile.step_latency)
   weights = 2 * params / layout.tensor  # bf16, one model-parallel group's
   tokens = layout.batch_size * seq_len / (layout.data * layout.fsdp)

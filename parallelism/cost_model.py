@@ -1,6 +1,10 @@
 """A small analytical model of a decomposed collective einsum's time.
 
-For the decomposed axis of size N, per device:
+Its rates and formulas (the fitted constants, the max(FLOPs, bytes) rule, a ring step's
+transfer, a group collective) are parallelism/pricing.py's, the step model's too
+(parallelism/step_model.py, which prices the compiled program); "Where the step model
+differs" below lists what this model prices otherwise, and why. For the decomposed axis of
+size N, per device:
 
 * ``T_comp``: the einsum's time on this device, ``max(F / peak, B / HBM
   bandwidth)`` with ``F`` its FLOPs and ``B`` the bytes it reads and writes;
@@ -16,23 +20,19 @@ For the decomposed axis of size N, per device:
   that moved compiled slower (docs/paper_scale.md). A block sliced out of an operand along
   any dimension but its first is copied before the einsum: that copy's traffic adds to
   ``c`` (``_sliced_copy_bytes``). A ring whose steps are bound by
-  that traffic while the plain einsum is not loses to ``none`` (the same
-  max(FLOPs, bytes) rule as the step model, parallelism/step_model.py, and the
-  same hardware table; profiles
-  without an HBM bandwidth, the CPU's, count FLOPs only). Operand and output
+  that traffic while the plain einsum is not loses to ``none`` (``pricing.compute_seconds``;
+  profiles without an HBM bandwidth, the CPU's, count FLOPs only). Operand and output
   sizes are what one device holds in the ring: an output whose partial sums
   are reduced over other axes after it (a weight gradient over ``fsdp``) is
   whole over them until then.
-* ``t``: one ring step's transfer in one direction, ``block bytes / (link
-  bandwidth x ring links) + step latency``; the block is the gathered
+* ``t``: one ring step's transfer in one direction, a collective-permute of the block over
+  one link, ``block bytes / link bandwidth + step latency`` (``pricing.permute_seconds``);
+  the block is the gathered
   operand's local block (all-gathers) or a partial-sum block of the output in
   the accumulation dtype (reduce-scatter).
-* The compiler's own collective: the step model's formula for a collective
-  (``step_model.ring_collective_seconds``: both directions of the ring, the axis
-  taken as one torus dimension), ``T_comm = (N-1) (t - latency) / 2 +
-  ceil((N-1)/2) latency``. Over an axis spanning two dimensions (``fsdp`` = 8 x 16) the
-  step model charges the compiled collective half that; priced so, two 500B decisions
-  moved and compiled slower (docs/paper_scale.md), so the one-dimension price stays.
+* The compiler's own collective (``pricing.ring_collective_seconds``: both directions of
+  the ring, the axis taken as one torus dimension), ``T_comm = (N-1) (t - latency) / 2 +
+  ceil((N-1)/2) latency``.
 
 Predicted times (all modeled, not measured):
 
@@ -64,6 +64,38 @@ the formulas above do not count, so a near tie goes to the simpler ring (the 500
 
 This mirrors XLA's own rule (spmd dot handler), which skips windowed einsum
 when ``max(T_comp, m T_comm) + 2 m T_comm / N >= T_comp + T_comm``.
+
+Where the step model differs, on purpose. Each of these, priced as the step model prices
+it, moved decisions that then compiled slower (docs/paper_scale.md), or was not tried on
+compiled programs, or needs the compiled schedule, which the planner does not have; the
+planner keeps its price until compiled programs say otherwise:
+
+* **An axis over several torus dimensions.** ``T_comm`` takes the axis as one dimension of
+  N chips. The step model reads the chips' coordinates and charges a group spanning
+  dimensions of extents ``n_1, n_2`` both directions of each (``ring_collective_seconds``
+  with extents ``[n_1, n_2]``): over ``fsdp`` = 8 x 16, half the transfer time and 4 + 8
+  steps of latency, not 64. Priced so (the span read from the mesh devices' coordinates),
+  v4 500B's ``unembed`` and v5p 500B's ``mlp.down`` weight gradients moved to rings over
+  ``tensor`` and both compiled slower (docs/paper_scale.md, "Tried and not kept: the
+  compiler's collective priced over every torus dimension its axis spans").
+* **A ring step's launch.** Each ring step (and bidirectional round) costs ``max(c, t)``
+  plus one more step latency, for launching its einsum and update; the step model charges
+  a compiled step the larger of its compute and its collective-permute and no launch. Not
+  charging it makes a ring of N devices (N-1) latencies cheaper (14 us at N = 8 on v4),
+  which may move near ties to rings; not tried on compiled programs.
+* **Partial-sum additions** are priced under the einsum's max, as where the compiler fuses
+  them into it; the step model charges them as instructions of their own where the
+  compiled program runs them apart (reduce-scatter rings, dense_64b's weight gradients).
+  Priced after the einsum, every decision that moved compiled slower (``T_comp`` above).
+* **A bidirectional round's extra instructions**: its blocks joined before the einsum and
+  the product split after it, the launch of its second transfer and of an even ring's
+  halves, are not priced; the step model charges the copies, slices and permutes they
+  compile to. ``BIDIRECTIONAL_MIN_GAIN`` stands in for them.
+* **Other transfers on the same links.** Each einsum is priced alone: its ring and the
+  compiler's collective have the links to themselves; in the step model transfers that
+  share a link (the layer's FSDP gathers) take turns.
+* **HBM at the data sheet's bandwidth**, as the step model at its fit (``hbm_efficiency``
+  1.0); its band (``step_model.BAND``) also prices HBM at 0.85 of that, this model never.
 """
 
 from __future__ import annotations
@@ -73,21 +105,10 @@ import math
 
 import jax.numpy as jnp
 
-from parallelism import hardware as hw, step_model
+from parallelism import hardware as hw, pricing
 from parallelism.einsum_plan import AxisPlan, Equation
 
 DEFAULT_HARDWARE = 'cpu'
-CPU_NOMINAL_FLOPS = 25e9  # the CPU profile has no fixed peak; nothing overlaps there anyway
-
-
-def rates(profile: hw.HardwareProfile) -> tuple[float, float]:
-  """(matmul FLOP/s, link bytes/s one direction) of ``profile`` at the step model's fitted
-  constants (``step_model.MATMUL_EFFICIENCY``, ``LINK_EFFICIENCY``), as the step model rates
-  the compiled program; the CPU profile's matmuls at ``CPU_NOMINAL_FLOPS``."""
-  peak = profile.peak_flops * step_model.MATMUL_EFFICIENCY or CPU_NOMINAL_FLOPS
-  return peak, profile.link_bandwidth * step_model.LINK_EFFICIENCY
-
-
 BIDIRECTIONAL_MIN_GAIN = 0.01  # of the unidirectional ring's modeled time (module docstring)
 
 
@@ -139,7 +160,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   shards = math.prod(mesh.shape.values())
   if flops is None:
     flops = 2 * math.prod(sizes.values()) / shards
-  peak, link = rates(profile)
+  peak, link, hbm = pricing.rates(profile)
   itemsize = jnp.dtype(dtype).itemsize
   if local is None:
     local = tuple(math.prod(sizes[l] for l in letters) / shards
@@ -152,22 +173,23 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
     block = local[2] * wire
   else:
     block = local[0 if plan.gathered == 'lhs' else 1] * itemsize
-  hbm = profile.hbm_bandwidth or math.inf
   copied = _sliced_copy_bytes(eq, plan, blocks, n, itemsize)
-  t_comp = max(flops / peak, plain_bytes / hbm)
-  c = max(flops / n / peak, step_bytes / hbm) + copied / hbm
-  c2 = max(2 * flops / n / peak, pair_bytes / hbm) + 2 * copied / hbm  # one einsum, 2 blocks
+  t_comp = pricing.compute_seconds(flops, plain_bytes, peak, hbm)
+  c = pricing.compute_seconds(flops / n, step_bytes, peak, hbm) + copied / hbm
+  # one einsum over two blocks
+  c2 = pricing.compute_seconds(2 * flops / n, pair_bytes, peak, hbm) + 2 * copied / hbm
   if apart_pairs and plan.kind == 'allgather_free':
     c2 = 2 * c
-  t = block / (link * profile.ring_links) + profile.step_latency
   lat = profile.step_latency
+  t = pricing.permute_seconds(block, link, lat)
   rounds = math.ceil((n - 1) / 2)
-  t_comm = step_model.ring_collective_seconds(n * block, [n], link, profile.ring_links, lat)
+  t_comm = pricing.ring_collective_seconds(n * block, [n], link, profile.ring_links, lat)
   if profile.async_collectives:
     uni = c + (n - 1) * (max(c, t) + lat)
     bi = c + rounds * (max(c2, t) + lat)
     if n % 2 == 0 and n > 2:  # the last round: the opposite block alone, a half each way
-      bi = c + (rounds - 1) * (max(c2, t) + lat) + max(c, (t - lat) / 2 + lat) + lat
+      half = pricing.permute_seconds(block / 2, link, lat)
+      bi = c + (rounds - 1) * (max(c2, t) + lat) + max(c, half) + lat
       if plan.kind != 'reducescatter':  # the halves it forwards are copies of its blocks
         bi += 2 * block / hbm
   else:

@@ -20,11 +20,12 @@ weights one device reads (its experts' three matrices) and ``F`` the expert FLOP
 on one device:
 
 * one all-to-all: ``a``, the step model's formula for a collective
-  (``step_model.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
+  (``pricing.ring_collective_seconds``: ``B (n-1)/n`` over both directions of
   the ring, the expert axis taken as one torus dimension, plus its latency);
 * the experts on a C-th of the tokens: ``T(C) = max(F / C / peak, (W + 2 B / C) /
-  HBM bandwidth)``, the step model's max(FLOPs, bytes) rule: every chunk reads all
-  of the weights again, and its tokens in and out (hidden activations not counted);
+  HBM bandwidth)``, the step model's max(FLOPs, bytes) rule (``pricing.compute_seconds``):
+  every chunk reads all of the weights again, and its tokens in and out (hidden
+  activations not counted);
 * ``single``: ``2a + T(1)``;
 * ``chunked`` with C chunks, each chunk's all-to-all ``a_C`` (the same formula for
   ``B / C``: a C-th of the bytes, all of the latency), asynchronous all-to-alls
@@ -44,8 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallelism import hardware as hw, step_model
-from parallelism.cost_model import rates
+from parallelism import hardware as hw, pricing
 from parallelism.einsum_plan import axes_of
 
 
@@ -71,15 +71,13 @@ def estimate(shape_becd, itemsize: int, expert_flops: float, devices: int, n: in
   expert weights one device reads in each pass over its tokens.
   """
   profile = hw.get_profile(hardware)
-  peak, link = rates(profile)
+  peak, link, hbm = pricing.rates(profile)
   tokens = math.prod(shape_becd) * itemsize / (shards or devices)
-  exchange = lambda parts: step_model.ring_collective_seconds(
+  exchange = lambda parts: pricing.ring_collective_seconds(
       tokens / parts, [n], link, profile.ring_links, profile.step_latency)
   a, a_c = exchange(1), exchange(chunks)
-  hbm = profile.hbm_bandwidth or math.inf
-  experts = lambda parts: max(
-      expert_flops / devices / parts / peak,
-      (weight_bytes + 2 * tokens / parts) / hbm)
+  experts = lambda parts: pricing.compute_seconds(
+      expert_flops / devices / parts, weight_bytes + 2 * tokens / parts, peak, hbm)
   t_c = experts(chunks)
   if profile.async_collectives and profile.async_all_to_all:
     chunked = 2 * a_c + t_c + (chunks - 1) * max(t_c, 2 * a_c)

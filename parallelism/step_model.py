@@ -8,8 +8,13 @@ measured.
 
 Per instruction:
 
+The rates and the formulas for compute, ring steps and group collectives are
+parallelism/pricing.py's, which the planner's cost model (parallelism/cost_model.py) prices
+with too; this model reads what each instruction computes and moves. Where the planner
+prices otherwise on purpose, cost_model's docstring says ("Where the step model differs").
+
 * **Compute** (fusions, unfused ops): ``max(F / (peak_flops x matmul_efficiency),
-  B / hbm_bandwidth)``.
+  B / hbm_bandwidth)`` (``pricing.compute_seconds``).
   ``F`` counts the matmul FLOPs of every dot and convolution inside:
   ``2 x output elements x contracted elements``, where a convolution's
   contracted elements are its input features times the window taps that land
@@ -31,9 +36,9 @@ Per instruction:
   all-gather ``out_bytes (G-1)/G / (L bw)``, reduce-scatter
   ``in_bytes (G-1)/G / (L bw)``, all-reduce ``2 bytes (G-1)/G / (L bw)``,
   all-to-all ``bytes (G-1)/G / (L bw)``; plus ``step_latency`` per sequential
-  ring step (``ceil((n-1)/2)`` per spanned dimension of extent ``n``).
-  A collective-permute sends its buffer over one link: ``bytes / bw +
-  step_latency``.
+  ring step (``ceil((n-1)/2)`` per spanned dimension of extent ``n``;
+  ``pricing.ring_collective_seconds``). A collective-permute sends its buffer over one
+  link: ``bytes / bw + step_latency`` (``pricing.permute_seconds``).
 * **Asynchronous copies and slices** (``copy-start/done``,
   ``slice-start/done``): ``bytes / hbm_bandwidth`` for each end in HBM, on DMA
   engines: twice for a copy within HBM, once for a prefetch into or an eviction
@@ -65,8 +70,8 @@ The compute fused with a collective counts as compute; a collective that is
 neither asynchronous nor carried blocks the chip for its whole transfer.
 
 Calibration (``python -m benchmarks.calibrate``, docs/calibration.md): the
-model has two fitted constants, ``MATMUL_EFFICIENCY`` (the fraction of the
-data-sheet matmul peak a chip's MXUs reach) and ``LINK_EFFICIENCY`` (the
+model has two fitted constants, ``pricing.MATMUL_EFFICIENCY`` (the fraction of the
+data-sheet matmul peak a chip's MXUs reach) and ``pricing.LINK_EFFICIENCY`` (the
 fraction of data-sheet ICI link bandwidth a collective reaches): both are
 physical ratios in (0, 1]. MaxText's five single-slice v5p rows
 (configs/calibration/: 32B, 64B, 128B, 256B, 512B) cannot tell them apart: at the
@@ -104,7 +109,7 @@ from typing import Sequence
 
 import numpy as np
 
-from parallelism import hardware
+from parallelism import hardware, pricing
 from parallelism.kernels import kernel_cost, kernel_seconds, splash_flops
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from parallelism.hlo_text import (Instr, Module, first_group, kernel_grid, memory_space,
@@ -119,9 +124,8 @@ COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all',
 DMA = ('copy', 'slice')
 
 
-# The model's two fitted constants (see the module docstring, "Calibration").
-MATMUL_EFFICIENCY = 0.87  # fraction of the data-sheet peak a real chip's matmuls reach
-LINK_EFFICIENCY = 1.0     # fraction of the data-sheet link bandwidth a collective reaches
+# The model's two fitted constants (see the module docstring, "Calibration") are
+# pricing.MATMUL_EFFICIENCY and pricing.LINK_EFFICIENCY: the cost model rates rings with them.
 FITTED = ('matmul_efficiency', 'link_efficiency')  # the Chip fields they set
 # The calibration rows' other fit (the link efficiency alone), under which every modeled
 # claim is shown as well (benchmarks/report.py).
@@ -165,7 +169,8 @@ class Chip:
     p = hardware.get_profile(name)
     if not p.hbm_bandwidth:
       raise ValueError(f'hardware profile {name!r} has no HBM bandwidth to model with')
-    fitted = (MATMUL_EFFICIENCY, LINK_EFFICIENCY) if calibrated else (1.0, 1.0)
+    fitted = ((pricing.MATMUL_EFFICIENCY, pricing.LINK_EFFICIENCY) if calibrated
+              else (1.0, 1.0))
     cores = dict(tensorcores=p.tpu.tensorcores, mxu=p.tpu.mxu) if p.tpu else {}
     return cls(name, p.peak_flops, p.hbm_bandwidth, p.link_bandwidth, p.ring_links,
                p.step_latency, *fitted, **cores)
@@ -478,33 +483,15 @@ def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: 
   if kind == 'collective-permute':
     if ins.opcode.endswith('-start'):  # (operand, output, contexts...): one buffer moves
       out_bytes = in_bytes
-    return out_bytes / chip.link_rate + chip.step_latency
+    return pricing.permute_seconds(out_bytes, chip.link_rate, chip.step_latency)
   group = first_group(ins.attrs, num_partitions)
   g = len(group)
   if g < 2:
     return 0.0
   moved = {'all-gather': out_bytes if not ins.opcode.endswith('-start') else g * in_bytes,
            'reduce-scatter': in_bytes, 'all-reduce': 2 * in_bytes}.get(kind, in_bytes)
-  return ring_collective_seconds(moved, _span(group, coords), chip.link_rate, chip.ring_links,
-                                 chip.step_latency)
-
-
-def ring_collective_seconds(moved: float, extents, link_rate: float, ring_links: int,
-                            latency: float) -> float:
-  """A collective over a group spanning torus dimensions of ``extents`` chips.
-
-  ``(G-1)/G`` of ``moved`` bytes cross links: both directions of the ring in
-  every spanned dimension, ``ring_links`` per direction, ``link_rate`` bytes/s
-  each; plus ``latency`` per sequential step, ``ceil((n-1)/2)`` per dimension.
-  The one formula for collectives: the step model, the collective-einsum cost
-  model (the compiler's collective of ``none``) and the MoE all-to-all use it.
-  """
-  g = math.prod(extents)
-  if g < 2:
-    return 0.0
-  links = 2 * ring_links * max(1, len(extents))
-  steps = sum(math.ceil((n - 1) / 2) for n in extents)
-  return moved * (g - 1) / g / (links * link_rate) + steps * latency
+  return pricing.ring_collective_seconds(moved, _span(group, coords), chip.link_rate,
+                                         chip.ring_links, chip.step_latency)
 
 
 # ---- the schedule -----------------------------------------------------------------
@@ -661,7 +648,7 @@ class _Model:
       c, mxu, steps = kernel_seconds(grid, f, b, self.chip)
     else:
       mxu, steps = f / self.chip.matmul_rate, 0.0
-      c = max(mxu, b / self.chip.hbm_rate)
+      c = pricing.compute_seconds(f, b, self.chip.matmul_rate, self.chip.hbm_rate)
     tl.seconds += c
     tl.compute += c
     tl.flops += f

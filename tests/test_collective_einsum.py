@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, step_model
+from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, pricing
 from parallelism import ring as ring_lib
 from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
                                           explain, keeps_cotangent, local_elements,
@@ -337,7 +337,7 @@ def test_cost_model_formula_by_hand():
   est = cost_model.estimate(eq, plan, (64, 64), (64, 64), 'float32', mesh, profile)
   # 8 devices share 2*64^3 FLOPs; 4 steps; a block is 64*64/8 fp32 values; at the step
   # model's fitted rates.
-  peak, link = 1e12 * step_model.MATMUL_EFFICIENCY, 1e9 * step_model.LINK_EFFICIENCY
+  peak, link = 1e12 * pricing.MATMUL_EFFICIENCY, 1e9 * pricing.LINK_EFFICIENCY
   c, t = 2 * 64 ** 3 / 8 / peak / 4, 64 * 64 / 8 * 4 / link
   assert est.step_compute_seconds == pytest.approx(c)
   assert est.step_transfer_seconds == pytest.approx(t)
@@ -498,7 +498,7 @@ def test_cost_model_counts_the_flops_of_an_einsum_an_axis_does_not_split():
   b, d, f = 4096, 8192, 8192
   est = explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, lhs_spec=P(T, None),
                 rhs_spec=P(None, T), out_spec=P(None, T), hardware='tpu_v4').estimate
-  rate = 275e12 * step_model.MATMUL_EFFICIENCY  # v4's peak at the fitted efficiency
+  rate = 275e12 * pricing.MATMUL_EFFICIENCY  # v4's peak at the fitted efficiency
   assert est.step_compute_seconds == pytest.approx(2 * b * d * f / 16 / rate)
   assert est.compute_seconds == pytest.approx(2 * b * d * f / 4 / rate)
 
@@ -1217,7 +1217,7 @@ def test_cost_model_odd_bidirectional_ring_by_hand(n):
   plan = next(p for p in plans if p.axis == T)
   size = 16 * n
   est = cost_model.estimate(eq, plan, (size, size), (size, size), 'float32', mesh, profile)
-  peak, link = 1e12 * step_model.MATMUL_EFFICIENCY, 1e9 * step_model.LINK_EFFICIENCY
+  peak, link = 1e12 * pricing.MATMUL_EFFICIENCY, 1e9 * pricing.LINK_EFFICIENCY
   c, t = 2 * size ** 3 / n / peak / n, size * size / n * 4 / link
   assert est.step_compute_seconds == pytest.approx(c)
   assert est.step_transfer_seconds == pytest.approx(t)

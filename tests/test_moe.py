@@ -249,12 +249,12 @@ def test_moe_small_trains_through_the_cli(tmp_path, capsys):
 def test_exchange_cost_model_and_auto_choice(devices):
   """The modeled times follow parallelism/moe.py's formulas; auto picks the faster."""
   # pylint: disable-next=import-outside-toplevel
-  from parallelism import cost_model, hardware, moe as moe_lib
+  from parallelism import hardware, moe as moe_lib, pricing
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12  # [batch, exp, capacity, embed]
   for name, overlaps in (('h100', True), ('tpu_v4', False)):
     chip = hardware.get_profile(name)
-    peak, link = cost_model.rates(chip)  # the step model's fitted rates
+    peak, link, _ = pricing.rates(chip)  # the step model's fitted rates
     assert peak < chip.peak_flops or link < chip.link_bandwidth  # not the data sheet's
     # 3/4 of a device's bytes over both ring directions, 2 sequential steps of latency;
     # each of 2 chunks' exchanges moves half the bytes and pays all of the latency
@@ -292,11 +292,11 @@ def test_exchange_chunks_only_where_each_chunk_keeps_the_mxus_busy(devices):
   """Each chunk's experts read all of a device's expert weights again: where those reads
   outlast a chunk's FLOPs, chunking loses (parallelism/moe.py's T(C))."""
   # pylint: disable-next=import-outside-toplevel
-  from parallelism import cost_model, hardware, moe as moe_lib
+  from parallelism import hardware, moe as moe_lib, pricing
   mesh = _mesh(data=2, expert=4)
   shape, itemsize, flops = (64, 8, 128, 1024), 2, 1e12
   chip = hardware.get_profile('h100')
-  peak, link = cost_model.rates(chip)  # the step model's fitted rates
+  peak, link, _ = pricing.rates(chip)  # the step model's fitted rates
   tokens = math.prod(shape) * itemsize / 8  # a device's dispatched bytes
   a = tokens * 3 / 4 / (2 * link) + 2 * chip.step_latency
   a_c = a / 2 + chip.step_latency

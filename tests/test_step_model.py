@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import pytest
 
-from parallelism import hardware, hlo_text, kernels, step_model
+from parallelism import hardware, hlo_text, kernels, pricing, step_model
 from parallelism import ring as ring_lib
 
 # A ring step in a loop: a permute in flight over one matmul, three times, then a
@@ -382,8 +382,8 @@ def test_async_collective_carried_through_a_loop_and_async_wrappers():
 
 
 def test_the_fitted_constants_apply_unless_told_not_to(monkeypatch):
-  monkeypatch.setattr(step_model, 'MATMUL_EFFICIENCY', 0.5)
-  monkeypatch.setattr(step_model, 'LINK_EFFICIENCY', 0.25)
+  monkeypatch.setattr(pricing, 'MATMUL_EFFICIENCY', 0.5)
+  monkeypatch.setattr(pricing, 'LINK_EFFICIENCY', 0.25)
   profile = hardware.PROFILES['tpu_v4']
   fitted = step_model.Chip.from_profile('tpu_v4')
   assert fitted.matmul_rate == 0.5 * profile.peak_flops
@@ -399,7 +399,7 @@ def test_one_table_of_hardware_facts():
       assert hardware.TPU_PREFIXES[profile.tpu.prefix] is profile
       chip = step_model.Chip.from_profile(name)
       assert chip.hbm_bandwidth == profile.hbm_bandwidth
-      assert chip.matmul_rate == profile.peak_flops * step_model.MATMUL_EFFICIENCY
+      assert chip.matmul_rate == profile.peak_flops * pricing.MATMUL_EFFICIENCY
   assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p']) == ' '.join(
       hardware.MAXTEXT_TPU_FLAGS)
   assert hardware.compiler_flags(hardware.PROFILES['tpu_v5p'], 'none') == ''
@@ -589,7 +589,7 @@ def test_a_kernel_without_a_parallel_axis_of_two_runs_on_one_of_two_tensorcores(
   # marked parallel, of 2 or more: without one, its matmuls run at half the chip's peak.
   c = step_model.Chip.from_profile(chip)
   assert c.tensorcores == 2 and hardware.PROFILES[chip].tpu.chip_config_name == 'megacore'
-  core = c.peak_flops / 2 * step_model.MATMUL_EFFICIENCY  # a kernel's matmuls as XLA's
+  core = c.peak_flops / 2 * pricing.MATMUL_EFFICIENCY  # a kernel's matmuls as XLA's
   flops = 1e12
   for grid, semantics, cores in [((8,), ('arbitrary',), 1),
                                  ((1, 8), ('parallel', 'arbitrary'), 1),
