@@ -42,7 +42,7 @@ def step_seconds(config_path: str, policy: str, repeats: int, workdir: str) -> d
     state, out = step(state, batch)
     jax.block_until_ready(out)  # one step in flight at a time (see trainer/loop.py)
     times.append(time.perf_counter() - start)
-  decomposed = sum(d.mode != 'none' for d, _ in s.ops.plan.values())
+  decomposed = sum(d.mode != 'none' for d, *_ in s.ops.plan.values())
   return {'median_step_seconds': statistics.median(times[1:]), 'loss': float(out['loss']),
           'decomposed_layers': decomposed, 'dense_layers': len(s.ops.plan)}
 

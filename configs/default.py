@@ -141,6 +141,9 @@ def get_config() -> ml_collections.ConfigDict:
   # a layer path as the parallelism report names it (* matches any part), FORM auto | ring |
   # plain | gradients (auto, and a weight gradient may ring alone beside a plain forward).
   c.parallelism.layer_overrides = ''
+  # A plan file (a run's WORKDIR/plan.json) to run instead of planning: '' plans (a resume
+  # runs its workdir's plan.json); a plan for another model or mesh is refused.
+  c.parallelism.plan = ''
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

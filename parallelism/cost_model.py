@@ -45,7 +45,7 @@ Predicted times (all modeled, not measured):
   while both link directions carry one block each:
   ``c + R (max(c2, t) + latency)``, ``c2`` the round's one einsum over both blocks
   (FLOPs 2F/N; the operand that stays is read once); under ``apart_pairs``
-  (``parallelism.gather_pairs='apart'``) an all-gather's round is two einsums, each
+  (a ring schedule's ``pairs='apart'``) an all-gather's round is two einsums, each
   reading that operand, ``c2 = 2 c``. The joined round's copies (its blocks joined before
   the einsum, the product split after it) are not priced: which form a ring takes is the
   config's, by compiled programs (docs/paper_scale.md). For an even N the last round

@@ -26,7 +26,7 @@ RINGS = ('forward', 'lhs gradient', 'rhs gradient')  # Decision.schedules, in or
 def rows(plan: Mapping[str, Any]) -> list[dict]:
   """Report rows from a layer plan (``sharding.plan_layers``: path -> (decision, specs))."""
   out = []
-  for path, (d, specs) in plan.items():
+  for path, (d, specs, *_) in plan.items():
     if isinstance(d, moe.ExchangeDecision):
       out.append(_exchange_row(path, d, specs))
       continue

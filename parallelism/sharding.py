@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
-from parallelism import moe, schedule
+from parallelism import moe, plan_file, schedule
 from parallelism.collective_einsum import (
     GRADIENT_ACCUMULATORS, RING_DTYPES, explain, ring_order_fits, run_decision)
 from parallelism.einsum_plan import axes_of, spec_entry
@@ -203,9 +203,11 @@ def parse_overrides(text: str) -> tuple[tuple[str, str], ...]:
 
 
 class PlannedLayer(NamedTuple):
-  """One layer of a plan: its decision and the PartitionSpecs it was made for."""
+  """One layer of a plan: its decision, the PartitionSpecs and operand shapes it was made
+  for."""
   decision: Any   # collective_einsum.Decision, or moe.ExchangeDecision for an MoE exchange
   specs: tuple    # (lhs, rhs, out); for an exchange (dispatched tokens, expert inputs)
+  shapes: tuple = ()  # (lhs, rhs); for an exchange (dispatched tokens,)
 
 
 class ShardedOps(Ops):
@@ -243,7 +245,7 @@ class ShardedOps(Ops):
   def einsum(self, equation, x, w, *, x_axes, w_axes, out_axes, name, save_as=None,
              save_parts=None, position_wise=None):
     specs = tuple(self.spec(a) for a in (x_axes, w_axes, out_axes))
-    decision = self._decision(name, specs, lambda: self.policy.choose(
+    decision = self._decision(name, specs, (x.shape, w.shape), lambda: self.policy.choose(
         lambda mode, alone: explain(
             equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
             lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
@@ -280,7 +282,8 @@ class ShardedOps(Ops):
     axis = at_experts[0] if isinstance(at_experts[0], str) else None
     if axis is not None and self.mesh.shape[axis] > 1:
       moe.check_layout(axis, dispatched, at_experts)
-    decision = self._decision(name, (dispatched, at_experts), lambda: self.policy.choose(
+    decision = self._decision(name, (dispatched, at_experts), (x_becd.shape,),
+                              lambda: self.policy.choose(
         lambda mode, _: moe.decide(x_becd.shape, x_becd.dtype.itemsize, flops, self.mesh, axis,
                                 chunks, mode, self.policy.hardware, dispatched,
                                 weight_bytes / split),
@@ -288,7 +291,8 @@ class ShardedOps(Ops):
     with jax.named_scope(name):
       return moe.run(decision, x_becd, expert_fn, self.mesh, dispatched, at_experts)
 
-  def _decision(self, name: str, specs: tuple, decide: Callable[[], Any]) -> Any:
+  def _decision(self, name: str, specs: tuple, shapes: tuple,
+                decide: Callable[[], Any]) -> Any:
     """Layer ``name``'s decision: the plan's, or (without a plan) ``decide()``'s."""
     if self._plan is None:
       return decide()
@@ -317,12 +321,26 @@ class _Planner(ShardedOps):
   __hash__ = object.__hash__  # what it holds grows while it traces
   __eq__ = object.__eq__
 
-  def __init__(self, *args, **kwargs):
+  def __init__(self, *args, saved=None, **kwargs):
     super().__init__(*args, **kwargs)
     object.__setattr__(self, 'chains', set())  # every position_wise the model declared
+    object.__setattr__(self, 'saved', saved)  # a plan file's layers (plan_file.read)
+    object.__setattr__(self, 'shapes', {})  # each layer's operand shapes
 
-  def _decision(self, name, specs, decide):
-    decision = decide()
+  def _decision(self, name, specs, shapes, decide):
+    self.shapes[name] = tuple(tuple(s) for s in shapes)
+    if self.saved is None:
+      decision = decide()
+    else:  # the plan file's, where it was made for this layer as it is
+      layer = self.saved['layers'].get(name)
+      if layer is None:
+        raise plan_file.PlanMismatch(f'layer {name!r} is not in the plan')
+      for what, want, got in (('specs', layer.specs, specs),
+                              ('operand shapes', layer.shapes, self.shapes[name])):
+        if want != got:
+          raise plan_file.PlanMismatch(f'layer {name!r} runs with {what} {got}, the plan '
+                                       f'has {want}')
+      decision = layer.decision
     self._plan[name] = PlannedLayer(decision, specs)
     return decision
 
@@ -350,7 +368,7 @@ def _with_ring_order(plan: dict[str, PlannedLayer], chains) -> dict[str, Planned
 
 
 def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules: Rules,
-                policy: MatmulPolicy) -> dict[str, PlannedLayer]:
+                policy: MatmulPolicy, saved: dict | None = None) -> dict[str, PlannedLayer]:
   """How every dense layer and MoE exchange of ``forward`` runs, decided before ``jit``.
 
   Args:
@@ -359,6 +377,9 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
       ``lambda ops: Transformer(cfg, nnx.Rngs(0), ops)(jnp.zeros((b, t), jnp.int32))``.
       It is traced abstractly (``jax.eval_shape``): nothing is computed.
     mesh, rules, policy: where the layers run and when they are decomposed.
+    saved: a plan file's (``plan_file.read``): every layer runs as it says instead, where
+      it was made for this model and mesh, else ``plan_file.PlanMismatch`` names the first
+      mismatch.
 
   Returns:
     ``{layer path: PlannedLayer(decision, specs)}`` in the order the layers ran
@@ -366,9 +387,17 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
     ``ShardedOps(mesh, rules, policy, plan)``: the model then runs exactly these
     decisions, and the parallelism report reads them.
   """
-  planner = _Planner(mesh, rules, policy, plan={})
+  if saved is not None and saved['mesh'] != dict(mesh.shape):
+    raise plan_file.PlanMismatch(f"the plan is for mesh {saved['mesh']}, this run's is "
+                                 f'{dict(mesh.shape)}')
+  planner = _Planner(mesh, rules, policy, plan={}, saved=saved)
   jax.eval_shape(lambda: forward(planner))
-  plan = _with_ring_order(planner._plan, planner.chains)  # pylint: disable=protected-access
+  missing = [n for n in (saved or {}).get('layers', {}) if n not in planner._plan]  # pylint: disable=protected-access
+  if missing:
+    raise plan_file.PlanMismatch(f'the plan has layer {missing[0]!r}, which this model has not')
+  plan = {n: l._replace(shapes=planner.shapes[n]) for n, l in planner._plan.items()}  # pylint: disable=protected-access
+  if saved is None:  # a saved plan has its ring orders
+    plan = _with_ring_order(plan, planner.chains)
   unused = [p for p, _ in policy.layer_overrides
             if not any(fnmatch.fnmatchcase(n, p) for n in plan)]
   if unused:
@@ -378,9 +407,11 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
 
 
 def planned_ops(make_model: Callable[[Ops], Any], batch_shape: tuple[int, int], *,
-                mesh: jax.sharding.Mesh, rules: Rules, policy: MatmulPolicy) -> ShardedOps:
+                mesh: jax.sharding.Mesh, rules: Rules, policy: MatmulPolicy,
+                saved: dict | None = None) -> ShardedOps:
   """ShardedOps running the plan of ``make_model(ops)`` applied to int32 tokens
-  of ``batch_shape`` (``[batch, length]``, as the compiled step sees them)."""
+  of ``batch_shape`` (``[batch, length]``, as the compiled step sees them), or ``saved``'s
+  (``plan_layers``)."""
   plan = plan_layers(lambda ops: make_model(ops)(jnp.zeros(batch_shape, jnp.int32)),
-                     mesh=mesh, rules=rules, policy=policy)
+                     mesh=mesh, rules=rules, policy=policy, saved=saved)
   return ShardedOps(mesh, rules, policy, plan)

@@ -119,12 +119,12 @@ def test_layer_overrides_name_layers_by_their_report_paths(tmp_path):
   run = _run(tmp_path / 'ok', '--config.parallelism.collective_matmul=always',
              '--config.parallelism.layer_overrides=blocks.*.attn.o=plain, unembed=plain')
   plan = run.model.ops.plan
-  plain = {p: d.reason.split(':')[0] for p, (d, _) in plan.items() if d.mode == 'none'}
+  plain = {p: d.reason.split(':')[0] for p, (d, *_) in plan.items() if d.mode == 'none'}
   assert plain == {'blocks.0.attn.o': 'parallelism.layer_overrides blocks.*.attn.o=plain',
                    'blocks.1.attn.o': 'parallelism.layer_overrides blocks.*.attn.o=plain',
                    'unembed': 'parallelism.layer_overrides unembed=plain'}, plain
   assert {'blocks.0.mlp.down', 'blocks.1.attn.q'} <= {
-      p for p, (d, _) in plan.items() if d.mode == 'unidirectional'}
+      p for p, (d, *_) in plan.items() if d.mode == 'unidirectional'}
   with pytest.raises(ValueError, match=r"layer_overrides: 'blocks\.\*\.attn\.x' matches no "
                                        r'layer \(the layers: blocks\.0\.attn\.q, '):
     _run(tmp_path / 'bad', '--config.parallelism.layer_overrides=blocks.*.attn.x=plain')
@@ -188,14 +188,14 @@ def test_bidirectional_gradients_agree_at_step_0(setups, tmp_path, monkeypatch):
   run = _run(tmp_path, '--config.parallelism.collective_matmul=always',
              '--config.mesh.data=2', '--config.mesh.tensor=4')
   s = loop.setup(run)
-  modes = {d.mode for d, _ in s.ops.plan.values()}
+  modes = {d.mode for d, *_ in s.ops.plan.values()}
   assert 'bidirectional' in modes and 'unidirectional' not in modes, modes
   _assert_gradients_agree(_step_0_gradients(s), _step_0_gradients(setups['never'][1]))
 
 
 def test_compiled_step_has_no_tensor_collective_in_decomposed_layers(setups):
   run, s = setups['always']
-  layers = [p for p, (d, _) in s.ops.plan.items() if d.mode != 'none']
+  layers = [p for p, (d, *_) in s.ops.plan.items() if d.mode != 'none']
   assert len(layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down per block, and unembed
   in_layers = lambda name: any(f'({p})' in name or f'/{p}/' in name for p in layers)
   found = {}

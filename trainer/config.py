@@ -199,6 +199,8 @@ class Parallelism:
                                            'holding it whole over fsdp: less memory)')
   layer_overrides: str = _key('', "'PATTERN=FORM,...' (report's layer paths, * any part); "
                                   'FORM auto | ring | plain | gradients')
+  plan: str = _key('', "a plan file to run instead of planning ('': plan; a resume runs "
+                       "its workdir's plan.json)")
 
 
 @dataclasses.dataclass(frozen=True)

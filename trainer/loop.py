@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from models.transformer import count_params
-from parallelism import hardware, mesh as mesh_lib, report, sharding
+from parallelism import hardware, mesh as mesh_lib, plan_file, report, sharding
 from trainer import checkpoint, compression, data, metrics as metrics_lib, optim, pipeline
 from trainer import profiling, runtime, tokenizer as tokenizer_lib
 from trainer.config import Config
@@ -171,6 +171,8 @@ def begin_outputs(run, start_step: int, layer_rows: list, policy) -> None:
   with open(os.path.join(run.workdir, 'config.json'), 'w', encoding='utf-8') as f:
     f.write(run.cfg.to_json(indent=2) + '\n')
   report.write(os.path.join(run.workdir, 'parallelism_report.json'), layer_rows, policy)
+  plan_file.write(os.path.join(run.workdir, plan_file.NAME), plan_file.to_json(
+      run.model.ops.plan, run.mesh.shape, run.cfg.hardware.name))
 
 
 def _loop(run, s: Setup, train_step, ckpt, policy, stops, flops, log, clock, begin=None) -> dict:

@@ -57,10 +57,11 @@ def with_shardings(abstract: Any, rules: sharding.Rules, mesh: jax.sharding.Mesh
   return placed, shardings
 
 
-def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules) -> AbstractModel:
+def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules,
+                   saved: dict | None = None) -> AbstractModel:
   """The run's model with the ops that shard it over ``mesh``: the layer plan
   (``parallelism.*`` decides which dense layers run as collective einsums), made
-  for the microbatch the train step traces."""
+  for the microbatch the train step traces, or ``saved``'s (``plan_file.read``)."""
   model_cfg = cfg.transformer()
   # Planning traces the sharded model: first refuse, naming it, a dimension the mesh
   # does not divide (the batch, MoE capacity, parameters; shapes only).
@@ -68,5 +69,5 @@ def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules) 
   micro_bt = (cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len)
   ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops),
                              micro_bt, mesh=mesh, rules=rules,
-                             policy=sharding.MatmulPolicy.from_config(cfg))
+                             policy=sharding.MatmulPolicy.from_config(cfg), saved=saved)
   return abstract_model(model_cfg, cfg.seed, ops)

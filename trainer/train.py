@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from parallelism import cli, mesh as mesh_lib, sharding
+from parallelism import cli, mesh as mesh_lib, plan_file, sharding
 from trainer import checkpoint, config as config_lib, data, loop, pipeline, runtime, validation
 from trainer import metrics as metrics_lib, tokenizer as tokenizer_lib
 from trainer.config import Config, ConfigError
@@ -103,12 +103,22 @@ def _prepare(cfg: Config, workdir: str) -> Run:
                                      profile.platform)
   mesh = mesh_lib.make_mesh(cfg.mesh.sizes())
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-  model = model_for_mesh(cfg, mesh, rules)  # checks the layout divides first
+  model = model_for_mesh(cfg, mesh, rules, _saved_plan(cfg, workdir))  # checks the layout first
   corpus = data.load(cfg.data, model.cfg.vocab_size, cfg.seed)
   data.check_lengths(corpus, cfg.seq_len, cfg.batch_size, cfg.eval_steps)
   run = Run(cfg, workdir, mesh, rules, model, corpus)
   run.resume_step = _check_checkpoints(run)
   return run
+
+
+def _saved_plan(cfg: Config, workdir: str) -> dict | None:
+  """The plan file this run runs (``parallelism/plan_file.py``): ``parallelism.plan``, else
+  the workdir's plan.json where the run resumes, else None (it plans)."""
+  path = cfg.parallelism.plan
+  if not path and checkpoint.complete_steps(checkpoint.directory_of(workdir)):
+    path = os.path.join(workdir, plan_file.NAME)
+    path = path if os.path.exists(path) else ''
+  return plan_file.read(path) if path else None
 
 
 def _check_checkpoints(run: Run) -> int | None:
