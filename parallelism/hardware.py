@@ -230,7 +230,7 @@ def measure_host_matmul_flops(sizes=(512, 1024, 2048), repeats: int = 10) -> flo
   The best over several sizes and repeats: one size's rate depends on the cache
   sizes, and any repeat can be slowed by other processes, never sped up.
   """
-  device = jax.devices('cpu')[0]
+  device = jax.local_devices(backend='cpu')[0]  # this process's: another's would not run here
   matmul = jax.jit(lambda x: x @ x)
   best = 0.0
   for n in sizes:
