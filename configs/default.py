@@ -144,6 +144,9 @@ def get_config() -> ml_collections.ConfigDict:
   # A plan file (a run's WORKDIR/plan.json) to run instead of planning: '' plans (a resume
   # runs its workdir's plan.json); a plan for another model or mesh is refused.
   c.parallelism.plan = ''
+  # How each layer's form is chosen: model (the cost model) | measure (its candidate forms
+  # timed on the devices before step 1, the fastest kept) | auto (measure on a TPU or GPU).
+  c.parallelism.tune = 'auto'
 
   # Checkpoints go to WORKDIR/checkpoints/<step>; a run started in a workdir that
   # has some resumes from the newest complete one (see trainer/checkpoint.py).

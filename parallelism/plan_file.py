@@ -97,4 +97,5 @@ def _decision(kind: str, d: dict):
           k: v for k, v in d['estimate'].items() if k != 'best'}),
       'backward': tuple(d['backward']), 'backward_over': pairs(d['backward_over']),
       'gradient_seconds': tuple(d['gradient_seconds']),
+      'measured': tuple(tuple(m) for m in d.get('measured', ())),
       'schedules': tuple(s and schedule.RingSchedule(**s) for s in d['schedules'])})

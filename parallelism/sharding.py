@@ -368,7 +368,8 @@ def _with_ring_order(plan: dict[str, PlannedLayer], chains) -> dict[str, Planned
 
 
 def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules: Rules,
-                policy: MatmulPolicy, saved: dict | None = None) -> dict[str, PlannedLayer]:
+                policy: MatmulPolicy, saved: dict | None = None,
+                tune: Callable[[dict], dict] | None = None) -> dict[str, PlannedLayer]:
   """How every dense layer and MoE exchange of ``forward`` runs, decided before ``jit``.
 
   Args:
@@ -380,6 +381,8 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
     saved: a plan file's (``plan_file.read``): every layer runs as it says instead, where
       it was made for this model and mesh, else ``plan_file.PlanMismatch`` names the first
       mismatch.
+    tune: maps the plan to the one that runs (``parallelism/tune.py``'s measurement)
+      before the chains' ring orders are set; not with ``saved``.
 
   Returns:
     ``{layer path: PlannedLayer(decision, specs)}`` in the order the layers ran
@@ -397,7 +400,7 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
     raise plan_file.PlanMismatch(f'the plan has layer {missing[0]!r}, which this model has not')
   plan = {n: l._replace(shapes=planner.shapes[n]) for n, l in planner._plan.items()}  # pylint: disable=protected-access
   if saved is None:  # a saved plan has its ring orders
-    plan = _with_ring_order(plan, planner.chains)
+    plan = _with_ring_order(tune(plan) if tune else plan, planner.chains)
   unused = [p for p, _ in policy.layer_overrides
             if not any(fnmatch.fnmatchcase(n, p) for n in plan)]
   if unused:
@@ -408,10 +411,11 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
 
 def planned_ops(make_model: Callable[[Ops], Any], batch_shape: tuple[int, int], *,
                 mesh: jax.sharding.Mesh, rules: Rules, policy: MatmulPolicy,
-                saved: dict | None = None) -> ShardedOps:
+                saved: dict | None = None, tune: Callable[[dict], dict] | None = None
+                ) -> ShardedOps:
   """ShardedOps running the plan of ``make_model(ops)`` applied to int32 tokens
   of ``batch_shape`` (``[batch, length]``, as the compiled step sees them), or ``saved``'s
   (``plan_layers``)."""
   plan = plan_layers(lambda ops: make_model(ops)(jnp.zeros(batch_shape, jnp.int32)),
-                     mesh=mesh, rules=rules, policy=policy, saved=saved)
+                     mesh=mesh, rules=rules, policy=policy, saved=saved, tune=tune)
   return ShardedOps(mesh, rules, policy, plan)

@@ -201,6 +201,8 @@ class Parallelism:
                                   'FORM auto | ring | plain | gradients')
   plan: str = _key('', "a plan file to run instead of planning ('': plan; a resume runs "
                        "its workdir's plan.json)")
+  tune: str = _key('auto', 'each layer\'s form: model (cost model) | measure (timed at start) '
+                           '| auto (measure off CPU)')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ generation and launch.aot all build through here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -16,7 +17,7 @@ from flax import nnx
 
 from models.ops import Ops
 from models.transformer import Transformer, TransformerConfig
-from parallelism import sharding
+from parallelism import sharding, tune
 from trainer import validation
 from trainer.config import Config
 
@@ -58,16 +59,25 @@ def with_shardings(abstract: Any, rules: sharding.Rules, mesh: jax.sharding.Mesh
 
 
 def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules,
-                   saved: dict | None = None) -> AbstractModel:
+                   saved: dict | None = None, prefer: dict | None = None,
+                   log=print) -> AbstractModel:
   """The run's model with the ops that shard it over ``mesh``: the layer plan
   (``parallelism.*`` decides which dense layers run as collective einsums), made
-  for the microbatch the train step traces, or ``saved``'s (``plan_file.read``)."""
+  for the microbatch the train step traces, or ``saved``'s (``plan_file.read``); ``prefer``:
+  ring schedule settings every ring takes where they apply (``launch.aot --schedule``)."""
   model_cfg = cfg.transformer()
   # Planning traces the sharded model: first refuse, naming it, a dimension the mesh
   # does not divide (the batch, MoE capacity, parameters; shapes only).
   validation.check_layout(cfg, mesh.shape, abstract_model(model_cfg, cfg.seed).params)
   micro_bt = (cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len)
+  policy = sharding.MatmulPolicy.from_config(cfg)
+  if prefer:
+    policy = dataclasses.replace(policy, prefer=tuple(prefer.items()))
+  measure = cfg.parallelism.tune == 'measure' or (
+      cfg.parallelism.tune == 'auto' and mesh.devices.flat[0].platform != 'cpu')
+  tune_fn = functools.partial(tune.measure, dtype=model_cfg.dtype, mesh=mesh, policy=policy,
+                              log=log) if measure else None
   ops = sharding.planned_ops(lambda ops: Transformer(model_cfg, nnx.Rngs(cfg.seed), ops),
-                             micro_bt, mesh=mesh, rules=rules,
-                             policy=sharding.MatmulPolicy.from_config(cfg), saved=saved)
+                             micro_bt, mesh=mesh, rules=rules, policy=policy, saved=saved,
+                             tune=tune_fn)
   return abstract_model(model_cfg, cfg.seed, ops)
