@@ -69,7 +69,8 @@ from jax.experimental import topologies
 
 from launch import search
 from models.transformer import count_params
-from parallelism import cli, hardware, hlo_text, mesh as mesh_lib, report, sharding, step_model
+from parallelism import cli, hardware, hlo_text, mesh as mesh_lib, plan_file, report, schedule
+from parallelism import sharding, step_model
 from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
@@ -146,6 +147,10 @@ def parse_args(argv):
                            'program settings --search does not sweep (model.scan_unroll, '
                            'model.cast_in_loop, parallelism.gradient_accumulators) and name '
                            'the best per variant (launch/search.py)')
+  parser.add_argument('--schedule', default='',
+                      help='ring schedule settings as JSON that every ring of ours takes where '
+                           "they apply, instead of the planner's (parallelism/schedule.py), "
+                           'e.g. \'{"unroll": 8, "additions": "fused"}\': to compare schedules')
   parser.add_argument('--max_compiles', type=int, default=6,
                       help='with --search: layouts to compile (default 6; 0: rank them only)')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
@@ -154,9 +159,21 @@ def parse_args(argv):
   return parser.parse_known_args(argv)
 
 
+def schedule_prefer(args) -> dict:
+  """``--schedule``'s settings, checked (ConfigError in one line)."""
+  try:
+    prefer = json.loads(args.schedule or '{}')
+    if not isinstance(prefer, dict):
+      raise ValueError('not a JSON object')
+    return schedule.check_prefer(prefer)
+  except ValueError as e:
+    raise ConfigError(f'--schedule {args.schedule!r}: {e}') from None
+
+
 def load(args, overrides) -> tuple:
   """Loads and checks the config and topology; raises ConfigError. No compiling."""
   cfg = config_lib.load(args.config, overrides)
+  schedule_prefer(args)
   topology = args.topology or cfg.aot.topology
   if not topology:
     raise ConfigError(f'no --topology given and {args.config} has no aot.topology')
@@ -210,7 +227,8 @@ def worker(args, overrides) -> int:
   cfg = config_lib.load(args.config, overrides)
   chip_kind, _ = parse_topology(args.topology)
   setting = cfg.parallelism.collective_matmul
-  cfg = cfg.replace({'hardware.name': chip_kind.name,
+  cfg = cfg.replace({'parallelism.tune': 'model',  # nothing here runs: the cost model plans
+                     'hardware.name': chip_kind.name,
                      'parallelism.collective_matmul': variant.collective_matmul or (
                          setting if setting != 'never' else 'auto')})
   cfg = validation.resolve_attention(cfg, 'tpu')  # load() refused what cannot run there
@@ -224,7 +242,9 @@ def worker(args, overrides) -> int:
         chips_per_host_bounds=chip_kind.tpu.chips_per_host_bounds, num_slices=1)
     mesh = mesh_lib.make_mesh(cfg.mesh.sizes(), topo.devices)
     rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-    program = loop.build(cfg, model_for_mesh(cfg, mesh, rules), mesh, rules)
+    saved = plan_file.read(cfg.parallelism.plan) if cfg.parallelism.plan else None
+    model = model_for_mesh(cfg, mesh, rules, saved, prefer=schedule_prefer(args))
+    program = loop.build(cfg, model, mesh, rules)
   except (ValueError, RuntimeError) as e:  # a topology the compiler refuses, a bad layout
     _write(args.out, out | {'error': str(e).splitlines()[0], 'input_error': True})
     return 0
@@ -232,6 +252,7 @@ def worker(args, overrides) -> int:
   lowered = program.train_step.lower(program.abstract_state,
                                      program.abstract_batch(cfg.batch_size, cfg.seq_len))
   out['layers'] = report.rows(program.ops.plan)
+  out['planned_kernels'] = report.kernel_rings(program.ops.plan)
   try:
     compiled = lowered.compile()
   except Exception as e:  # pylint: disable=broad-except
@@ -317,7 +338,8 @@ def run_variant(args, overrides, name: str, topology: str, chip_flags: str) -> d
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, 'result.json')
       cmd = [sys.executable, '-m', 'launch.aot', '--config', args.config, '--topology',
-             topology, '--worker', name, '--out', out] + list(overrides)
+             topology, '--worker', name, '--out', out, '--schedule', args.schedule or '{}'
+             ] + list(overrides)
       if args.hlo_dir:
         cmd += ['--hlo_dir', args.hlo_dir] + (['--flag_set', f'.{k}'] if k else [])
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -383,7 +405,10 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'costliest_non_matmul': costliest_non_matmul(model['non_matmul_by_op']),
           'additions_by_ring': additions_by_ring(model['non_matmul_by_op']),
           'kernels_by_ring': by_ring(model.get('kernels_by_op', {})),
-          'warnings': model['warnings']}
+          # the plan's rings that run the kernel: the same rings, or a warning says which
+          'planned_kernels': r.get('planned_kernels', []),
+          'warnings': model['warnings'] + _kernel_mismatch(
+              r.get('planned_kernels', []), by_ring(model.get('kernels_by_op', {})))}
       if 'alternative' in model:  # the same program under step_model.ALTERNATIVE
         other = model['alternative']
         out['modeled'][name]['alternative'] = other | {
@@ -502,11 +527,21 @@ def additions_by_ring(by_op: dict) -> dict:
   return by_ring({k: s for k, s in by_op.items() if f'/{ADDITIONS_SCOPE}/' in k})
 
 
+def _kernel_mismatch(planned: list, found: dict) -> list[str]:
+  """A warning where the rings the plan runs as kernels are not those the compiled program
+  runs kernels in (``kernels_by_ring``), naming the first of each side's extras."""
+  extra, missing = sorted(set(found) - set(planned)), sorted(set(planned) - set(found))
+  if not extra and not missing:
+    return []
+  return [f'kernels: the plan and the program differ (only in the program: '
+          f"{extra[0] if extra else '-'}; only in the plan: {missing[0] if missing else '-'})"]
+
+
 def by_ring(by_op: dict) -> dict:
   """Modeled seconds per step of the instructions ``by_op`` names (op_name -> seconds)
   that belong to decomposed einsums, keyed as ``additions_by_ring``'s; most first. With
-  the step model's ``kernels_by_op``: the rings whose rounds run as Pallas kernels
-  (``parallelism.ring_additions='kernel'``, parallelism/pair_sums.py), and their time."""
+  the step model's ``kernels_by_op``: the rings whose rounds run as Pallas kernels (their
+  schedules' additions 'kernel', parallelism/pair_sums.py), and their time."""
   out = {}
   for op_name, seconds in by_op.items():
     m = re.search(rf'([^/]+)/{RING_SCOPE}/(\w+)/(\w+)/([^/]+)/', op_name)

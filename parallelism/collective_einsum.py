@@ -85,6 +85,9 @@ class Decision:
   # forward's, the lhs gradient's and the rhs gradient's (None: that einsum is no ring).
   ring_dtype: str = 'compute'
   schedules: tuple[schedule.RingSchedule | None, ...] = (None, None, None)
+  # Under parallelism.tune=measure, each form tried and its seconds on the devices
+  # (forward and both gradients, the slowest process's): ``parallelism/tune.py``.
+  measured: tuple[tuple[str, float], ...] = ()
 
   @property
   def decomposed(self) -> bool:
@@ -234,6 +237,16 @@ def _scheduled(decision: Decision, shapes, specs, mesh, profile, prefer) -> Deci
   return dataclasses.replace(decision, schedules=schedules)
 
 
+def ring_einsums(decision: Decision, specs) -> tuple[tuple[str, str] | None, ...]:
+  """(equation, AxisPlan kind) of each ring ``decision`` runs (forward, lhs gradient, rhs
+  gradient; None: no ring), the equation as the ring's scope names it in HLO
+  (``SCOPE/KIND/DIRECTION/EQUATION``)."""
+  cfg = _static(decision, specs, None)
+  rings = (cfg, cfg.transposed('lhs'), cfg.transposed('rhs'))
+  return tuple((c.equation, _axis_plan(c)[1].kind) if sc is not None else None
+               for c, sc in zip(rings, decision.schedules))
+
+
 def _is_ring(cfg: _Static) -> bool:
   """Whether ``cfg``'s einsum runs as a ring (``_transpose_einsum``'s test)."""
   if cfg.axis is None:
@@ -259,7 +272,7 @@ def _ring_facts(cfg: _Static, shapes, index: int, gather: bool,
     fused_fits = _halved_letter(eq, z, other_letters, other) is not None
     problem = _kernel_problem(cfg, eq, z, manual, owner, other)
   return schedule.RingFacts(plan.kind, cfg.bidirectional, cfg.activation_out, index == 0,
-                            fused_fits, problem, gather, platform)
+                            fused_fits, problem, gather, platform, cfg.mesh.shape[cfg.axis])
 
 
 def _kernel_problem(cfg: _Static, eq: Equation, z: str, manual, owner_shape,

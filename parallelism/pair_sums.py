@@ -17,7 +17,7 @@ its own buffer, ready to send.
 
 Shapes (canonical; ``collective_einsum`` reshapes into them): ``xt`` ``[B, D, T]`` (the
 sliced operand, its model dimension before its minor token dimension, as
-``block_layout='contiguous'`` lays it out), ``y`` ``[P, B, T, Q]`` (its last output
+a ring schedule's layout 'contiguous' lays it out), ``y`` ``[P, B, T, Q]`` (its last output
 dimension ``Q`` minor, its others ``P`` major: gate/up's stacked pair, q/k/v's heads, as
 the compiler lays out the cotangents that stack them), each accumulator one half of
 ``[P, rows, Q]`` (along ``P`` or ``Q``), as ``ring._in_halves`` sends them. On a CPU the

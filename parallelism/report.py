@@ -19,6 +19,7 @@ import sys
 from typing import Any, Mapping
 
 from parallelism import cli, einsum_plan, moe, schedule
+from parallelism.collective_einsum import ring_einsums
 
 RINGS = ('forward', 'lhs gradient', 'rhs gradient')  # Decision.schedules, in order
 
@@ -54,6 +55,8 @@ def rows(plan: Mapping[str, Any]) -> list[dict]:
         # how each ring runs (parallelism/schedule.py): the forward's and the gradients'
         'schedules': {ring: dataclasses.asdict(sc) for ring, sc in zip(RINGS, d.schedules)
                       if sc is not None},
+        # parallelism.tune=measure: each form tried, ms on the devices (parallelism/tune.py)
+        'measured_ms': {f: round(s * 1e3, 3) for f, s in d.measured} or None,
     })
   return out
 
@@ -131,6 +134,19 @@ def _schedules(row: dict) -> str:
   return '; '.join(f'{ring}: ' + schedule.RingSchedule(**sc).describe() + (
       f" (no kernel: {sc['why_no_kernel']})" if sc['why_no_kernel'] else '')
                    for ring, sc in (row.get('schedules') or {}).items()) or '-'
+
+
+def kernel_rings(plan: Mapping[str, Any]) -> list[str]:
+  """The rings whose schedule runs the pair kernel, labelled as ``launch.aot``'s
+  ``kernels_by_ring`` labels the rings it finds running one in the compiled program."""
+  out = []
+  for path, (d, specs, *_) in plan.items():
+    if isinstance(d, moe.ExchangeDecision) or not d.decomposed:
+      continue
+    for i, (sc, ring) in enumerate(zip(d.schedules, ring_einsums(d, specs))):
+      if sc is not None and sc.additions == 'kernel':
+        out.append(f"{path}{' (bwd)' if i else ''}: {ring[0]} ({ring[1]}, {sc.direction})")
+  return sorted(out)
 
 
 def runs_a_ring(row: dict) -> bool:

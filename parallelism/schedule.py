@@ -7,16 +7,19 @@ it is traced. The planner's rule (``choose``):
 
 * On a profile whose transfers cannot overlap compute (the CPU's), every ring runs the
   simplest schedule: nothing it could overlap pays there.
-* Elsewhere each ring takes every refinement that removes work or exposes less of a
-  transfer wherever it applies to that ring, none of which adds a step's HBM traffic or
-  FLOPs: its blocks laid out contiguously (no whole copy of a sliced operand), a
-  reduce-scatter ring's additions fused into its einsums with each accumulator in two
-  halves that take turns (or, where the pair kernel applies on a TPU, each two-way round one
-  Pallas kernel), a two-way all-gather round an einsum a block (no join and split of the
-  pair), a forward reduce-scatter ring's own block computed while the last accumulators
-  travel, a weight gradient's operand gathered before the data gradient's two-way ring,
-  and two ring steps per loop iteration.
+* Elsewhere each ring takes the refinements that apply to it: a reduce-scatter ring's
+  additions fused into its einsums, each accumulator in two halves that take turns (where
+  the pair kernel fits, on a TPU, each two-way weight-gradient round one Pallas kernel that
+  adds both directions' accumulators as it writes), a two-way all-gather round an einsum a
+  block (no join and split of the pair), a forward reduce-scatter ring's own block computed
+  while the last accumulators travel, a weight gradient's operand gathered before the data
+  gradient's two-way ring, and no loop for a ring over at most ``NO_LOOP_DEVICES`` (else
+  ``OVERLAPPED_UNROLL`` steps an iteration). The sliced operands keep the compiler's layout.
 
+These are the settings the paper configs had been given by hand, made rules: planned alone,
+each of the eight paper programs models within 1% of its hand-set schedule or better
+(docs/parallelism.md has the table and the commands; ``launch.aot --schedule`` compiles
+any other setting to compare).
 Each rule's reason and the compiled programs it was checked on: docs/parallelism.md.
 A plan file (or a test) may set any field for a layer's rings (``prefer``): each ring takes
 it where it applies to that ring, as the report then shows.
@@ -35,8 +38,11 @@ CHOICES = {
     'gather': ('beside', 'before'),
     'layout': ('compiler', 'contiguous'),
 }
-# Ring steps per loop iteration where transfers overlap compute: with two, the loop's block
-# copies and some additions go (a ring of at most that many steps runs with no loop).
+# Ring steps per loop iteration where transfers overlap compute: a ring over at most
+# NO_LOOP_DEVICES runs with no loop (every step its own ops, no loop-carried copies of its
+# blocks), a longer one OVERLAPPED_UNROLL steps an iteration (the loop's block copies and some
+# additions go; a ring of at most that many steps runs with no loop).
+NO_LOOP_DEVICES = 8
 OVERLAPPED_UNROLL = 2
 
 
@@ -72,6 +78,7 @@ class RingFacts(NamedTuple):
   kernel_problem: str       # '' where the pair kernel fits, else why not
   gather_applies: bool      # a weight gradient ring that the data gradient's ring gathers for
   platform: str             # the profile's platform: where a Mosaic kernel can run
+  devices: int = 2          # on the ring
 
 
 def check_prefer(prefer: Mapping[str, Any] | None) -> dict:
@@ -105,14 +112,17 @@ def choose(facts: RingFacts, overlapped: bool, prefer: Mapping[str, Any]) -> Rin
       'layout': True,
   }
   # the pair kernel is a Mosaic kernel: elsewhere Pallas would interpret it
-  best = {'additions': 'kernel' if facts.platform == 'tpu' else 'fused', 'pairs': 'apart', 'last': 'apart',
-          'gather': 'before', 'layout': 'contiguous'}
+  # the layout stays the compiler's: contiguous blocks took 0.11 s a step of copies off
+  # dense_500b but cost moe_1t 10% and 4 GiB a chip (modeled), and no model says where
+  best = {'additions': 'kernel' if facts.platform == 'tpu' else 'fused', 'pairs': 'apart',
+          'last': 'apart', 'gather': 'before', 'layout': 'compiler'}
   fields = {}
   for key, values in CHOICES.items():
     want = prefer.get(key, best[key] if overlapped else values[0])
     fields[key] = _additions_for(facts, want) if key == 'additions' and applies[key] else (
         want if applies[key] else values[0])
-  unroll = prefer.get('unroll', OVERLAPPED_UNROLL if overlapped else 1)
+  unroll = prefer.get('unroll', 1 if not overlapped else facts.devices
+                      if facts.devices <= NO_LOOP_DEVICES else OVERLAPPED_UNROLL)
   wg_pair = rs and facts.bidirectional and not facts.activation_out
   why = facts.kernel_problem if wg_pair and fields['additions'] != 'kernel' else ''
   return RingSchedule('bidirectional' if facts.bidirectional else 'unidirectional', unroll,

@@ -53,6 +53,11 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
      "model.attention='cudnn' runs on an NVIDIA GPU, this run is on the tpu"),
     (['--config', DENSE_10B, '--config.mesh.tensor=3', '--config.mesh.fsdp=-1'],
      'cannot fill mesh.fsdp=-1'),
+    (['--config', DENSE_10B, '--schedule', '{"unroll": 0}'],
+     "--schedule '{\"unroll\": 0}': unroll=0 must be an integer of at least 1"),
+    (['--config', DENSE_10B, '--schedule', '{"layout": "tiled"}'],
+     "layout='tiled' is not one of ('compiler', 'contiguous')"),
+    (['--config', DENSE_10B, '--schedule', '[1]'], 'not a JSON object'),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, expected, capsys):
   assert aot.main(args) == 2

@@ -2,6 +2,7 @@
 MFU (measured once per machine), and the parallelism summary."""
 
 import json
+import re
 import types
 
 import pytest
@@ -94,7 +95,7 @@ def test_parallelism_summary_counts_decisions_and_names_the_costliest(tmp_path, 
           _row('d', 'none'),  # no collective needed: nothing modeled
           {'path': 'e.moe.exchange', 'decision': 'chunked x2', 'modeled_single_us': 9.0,
            'modeled_chunked_us': 6.0}]
-  # a plain forward whose weight gradient rings (gradient_rings='any_forward'): decomposed
+  # a plain forward whose weight gradient rings (layer_overrides '...=gradients'): decomposed
   rows.insert(3, _row('f', 'none') | {
       'gradients': {'lhs': 'none', 'rhs': 'bidirectional over fsdp'},
       'modeled_gradient_seconds': {'rhs': {'one einsum': 6.39e-3,
@@ -114,10 +115,12 @@ def test_parallelism_summary_counts_decisions_and_names_the_costliest(tmp_path, 
   assert report.main([str(tmp_path)]) == 0
   out = capsys.readouterr().out.splitlines()
   assert out[0].split()[:2] == ['layer', 'einsum'] and len(out) == 2 + 5
-  assert out[2 + 3].endswith('lhs none; rhs bidirectional over fsdp 4.98 ms (one einsum '
-                             '6.39)'), out
-  assert out[2 + 1].endswith('lhs ring 5.00 ms (one einsum 9.00); rhs none'), out
-  assert out[2].endswith(' -'), out  # no gradients reported
+  # the last column, each ring's schedule, is '-' where a row records none
+  cells = [re.split(r'\s{2,}', l) for l in out]
+  assert cells[2 + 3][-2:] == ['lhs none; rhs bidirectional over fsdp 4.98 ms (one einsum '
+                               '6.39)', '-'], out
+  assert cells[2 + 1][-2:] == ['lhs ring 5.00 ms (one einsum 9.00); rhs none', '-'], out
+  assert cells[2][-2:] == ['-', '-'], out  # no gradients reported
   assert report.main([str(tmp_path / 'missing.json')]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and err.startswith('error: ') and 'missing.json' in err

@@ -5,6 +5,7 @@ windowed einsum turned off, so every collective-permute in the program is ours.
 """
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,7 @@ def _compile(mode: str, kind: str, chip: str = 'tpu_v4', flags: str = '', layers
                         capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  _compile.planned_kernels = json.loads(proc.stderr.split('planned kernels: ')[1].splitlines()[0])
   return proc.stdout
 
 
@@ -135,7 +137,7 @@ def test_a_ring_in_ring_order_writes_its_result_once(ring_order):
 @pytest.mark.parametrize('additions', ['fused', 'kernel'])
 def test_a_weight_gradient_ring_runs_each_round_as_one_kernel(additions):
   # An FSDP layer's weight gradient, a bidirectional ring over fsdp (8 chips, in a loop).
-  # ring_additions='fused' leaves its additions a pass of their own after each round's
+  # The schedule's additions 'fused' leave its additions a pass of their own after each round's
   # einsum; 'kernel' runs each round's half as one Pallas kernel (parallelism/pair_sums.py)
   # that adds both directions' accumulators as it writes, and the step model costs each
   # kernel as it declares, its FLOPs and bytes those of the shapes it runs, on its grid.
@@ -146,6 +148,8 @@ def test_a_weight_gradient_ring_runs_each_round_as_one_kernel(additions):
       'tpu_v4')).kernels_by_op)
   assert [k.split(': ', 1)[1] for k in kernel_rings] == (
       ['td,tf->df (reducescatter, bidirectional)'] if additions == 'kernel' else []), kernel_rings
+  # ... the rings the plan says run it (report.kernel_rings, launch.aot's planned_kernels)
+  assert _compile.planned_kernels == [k.split(': ', 1)[1] for k in kernel_rings]
   ring_ops = [(i, c) for c, instrs in module.computations.items() for i in instrs
               if 'reducescatter/bidirectional' in i.op_name]
   kernels = [(i, c) for i, c in ring_ops if i.opcode == 'custom-call']

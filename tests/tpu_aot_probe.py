@@ -10,6 +10,7 @@ process. Prints the scheduled TPU HLO.
 """
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 from jax.experimental import topologies  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
-from parallelism import hardware, mesh as mesh_lib  # pylint: disable=wrong-import-position
+from parallelism import hardware, mesh as mesh_lib, report  # pylint: disable=wrong-import-position
 from parallelism.collective_einsum import explain, run_decision  # pylint: disable=wrong-import-position
 
 
@@ -52,6 +53,11 @@ def main(mode: str, kind: str, chip: str = 'tpu_v4', layers: str = '0',
       explain(eq, x.shape, w.shape, x.dtype, mode=mode, prefer=prefer, **kw),
       ring_order=ring_order)
   einsum = lambda x, w: run_decision(decide(x, w), x, w, **kw)
+  # the rings the plan runs as kernels, labelled as launch.aot labels them ('-' no layer)
+  planned = report.kernel_rings({'-': (decide(*(jax.ShapeDtypeStruct(s, jnp.bfloat16)
+                                                for s in (ls, rs))), specs)})
+  print('planned kernels: ' + json.dumps([k.split(': ', 1)[1] for k in planned]),
+        file=sys.stderr)
   f = jax.jit(einsum)
   arg_specs = specs
   if layers:  # the gradient of a scan over stacked weights, as a train step's layers
