@@ -548,6 +548,7 @@ def by_ring(by_op: dict) -> dict:
     if not m:
       continue
     name, kind, direction, equation = m.groups()
+    name = re.sub(r'^(?:\w+\()+|\)+$', '', name)  # transpose(jvp(unembed)) -> unembed
     label = (f"{name}{' (bwd)' if 'transpose(' in op_name else ''}: {equation} "
              f'({kind}, {direction})')
     out[label] = out.get(label, 0.0) + seconds
