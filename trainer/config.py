@@ -26,7 +26,7 @@ import json
 import os
 import textwrap
 import typing
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from trainer import hints as hints_lib
 
@@ -191,18 +191,20 @@ class Mesh:
 class Parallelism:
   """Decomposed collective einsums (parallelism/sharding.py); each ring's schedule is the
   planner's (parallelism/schedule.py)."""
-  collective_matmul: str = _key('auto', 'dense layers as collective einsums: auto (the cost '
-                                        'model decides per layer) | always | never')
-  ring_dtype: str = _key('compute', "partial sums on the wire: compute (the model's dtype; "
-                                    'adds in fp32) | float32')
-  gradient_accumulators: str = _key('any', 'weight-gradient rings: any | sharded (none '
-                                           'holding it whole over fsdp: less memory)')
+  collective_matmul: Literal['auto', 'always', 'never'] = _key(
+      'auto', 'dense layers as collective einsums: auto (the cost model decides per layer) | '
+      'always | never')
+  ring_dtype: Literal['compute', 'float32'] = _key(
+      'compute', "partial sums on the wire: compute (the model's dtype; adds in fp32) | float32")
+  gradient_accumulators: Literal['any', 'sharded'] = _key(
+      'any', 'weight-gradient rings: any | sharded (none holding it whole over fsdp: less memory)')
   layer_overrides: str = _key('', "'PATTERN=FORM,...' (report's layer paths, * any part); "
                                   'FORM auto | ring | plain | gradients')
   plan: str = _key('', "a plan file to run instead of planning ('': plan; a resume runs "
                        "its workdir's plan.json)")
-  tune: str = _key('auto', 'each layer\'s form: model (cost model) | measure (timed at start) '
-                           '| auto (measure off CPU)')
+  tune: Literal['auto', 'model', 'measure'] = _key(
+      'auto', "each layer's form: model (cost model) | measure (timed at start) | auto "
+      '(measure off CPU)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +434,9 @@ def _set(values: dict, key: str, value: Any) -> None:
 
 
 def _base(kind: Any) -> Any:
-  """``int | None`` -> int; other types unchanged."""
+  """``int | None`` -> int, ``Literal['a', 'b']`` -> str; other types unchanged."""
+  if typing.get_origin(kind) is Literal:
+    return type(typing.get_args(kind)[0])
   args = [a for a in typing.get_args(kind) if a is not type(None)]
   return args[0] if typing.get_origin(kind) is not None and len(args) == 1 else kind
 
@@ -441,15 +445,20 @@ def _type_name(kind: Any) -> str:
   return getattr(_base(kind), '__name__', str(kind))
 
 
+def _optional(kind: Any) -> bool:
+  """Whether ``kind`` admits None (``int | None``)."""
+  return typing.get_origin(kind) is not Literal and type(None) in typing.get_args(kind)
+
+
 def _shown_type(kind: Any) -> str:
-  return _type_name(kind) + (' or None' if _base(kind) is not kind else '')
+  return _type_name(kind) + (' or None' if _optional(kind) else '')
 
 
 def _parse(raw: str, kind: Any, key: str) -> Any:
   """A command-line string as a value of ``kind``."""
   base = _base(kind)
   try:
-    if base is not kind and raw.lower() == 'none':
+    if _optional(kind) and raw.lower() == 'none':
       return None
     if base is bool:
       if raw.lower() not in ('true', 'false', '1', '0'):
@@ -465,12 +474,17 @@ def _parse(raw: str, kind: Any, key: str) -> Any:
 def _checked(value: Any, kind: Any, key: str) -> Any:
   """``value`` as ``kind`` (ints accepted as floats, lists frozen to tuples)."""
   base = _base(kind)
-  if value is None and base is not kind:
+  if value is None and _optional(kind):
     return None
   if base is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if base is tuple and isinstance(value, (list, tuple)):
     return _frozen(value)
+  if typing.get_origin(kind) is Literal and isinstance(value, base):
+    if value in typing.get_args(kind):
+      return value
+    raise ConfigError(f'config.{key}={value!r} is not one of '
+                      + ', '.join(map(repr, typing.get_args(kind))))
   if isinstance(value, base) and not (base is int and isinstance(value, bool)):
     return value
   raise ConfigError(f'config.{key}={value!r} is not a valid {_type_name(kind)}')

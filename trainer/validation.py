@@ -34,9 +34,6 @@ def validate(cfg: Config) -> None:
   hardware.check_flags(cfg.hardware.xla_flags)
   sharding.normalize_rules(cfg.mesh.logical_axis_rules)
   sharding.MatmulPolicy.from_config(cfg).validate()
-  if cfg.parallelism.tune not in ('auto', 'model', 'measure'):
-    raise ValueError(f'parallelism.tune={cfg.parallelism.tune!r} is not one of auto, model, '
-                     'measure')
   if cfg.hardware.peak_flops < 0:
     raise ValueError(f'hardware.peak_flops={cfg.hardware.peak_flops} must be >= 0 '
                      '(0: from the profile)')
