@@ -12,499 +12,30 @@ Other mesh axes are left to the compiler: the ring runs in a ``shard_map``
 that is manual over the decomposed axis only. The gradient is decomposed too:
 the transpose of an all-gather einsum is an einsum reduce-scatter and vice
 versa, and the custom VJP calls this function for both operand gradients.
+
+This module runs what a ``Decision`` says (``run_decision``); parallelism/decision.py decides
+it (``explain``), and parallelism/ring_specs.py holds what both read of a ring's layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import layout
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallelism import cost_model, einsum_plan, pair_sums, ring, schedule
-from parallelism import hardware as hw
+from parallelism import einsum_plan, pair_sums, ring
 from parallelism.einsum_plan import AxisPlan, Equation
+from parallelism.decision import DECOMPOSABLE, Decision, explain
+from parallelism.ring_specs import (
+    Static, axis_plan, gather_first_spec, gathered_dims_major, halved_letter,
+    hands_cotangent_on, hoisted_specs, kernel_form, manual_extra, static, summed_over)
 
-MODES = ('none', 'unidirectional', 'bidirectional', 'always', 'auto')
-# What a ring's partial sums travel and rest in: the compute dtype (bf16 for a bf16
-# model: half the bytes; each device still adds in fp32) or float32.
-RING_DTYPES = ('compute', 'float32')
-# Which weight-gradient rings may hold the gradient whole over an axis it is reduced over
-# afterwards (fsdp): 'any' (the cost model's fastest form), or 'sharded' (no such ring: an
-# all-gather ring over the forward's axis whose accumulator is the local gradient whole
-# over fsdp; the gradient rings over fsdp or is one einsum, for models tight on memory).
-GRADIENT_ACCUMULATORS = ('any', 'sharded')
-# Which layers' gradients auto may ring (``explain``): only those whose forward rings, or
-# also those whose forward is left to the compiler (``_gradients_alone``).
-GRADIENT_RINGS = ('ringed_forward', 'any_forward')
-# The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
-WEIGHT_GRADIENT_MODE = 'bidirectional'
-DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
 SCOPE = ring.RING_SCOPE
-
-
-class _Priced(NamedTuple):
-  """What of a ring's settings its price depends on (``cost_model.estimate``)."""
-  wire_fp32: bool     # partial sums travel in fp32 (ring_dtype='float32')
-  apart_pairs: bool   # a two-way all-gather round an einsum a block (RingSchedule.pairs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-  """What ``collective_einsum`` did, and why (see ``explain``)."""
-  equation: str
-  mode: str                      # none | unidirectional | bidirectional
-  axis: str | None               # the decomposed mesh axis
-  collective: str | None         # the AxisPlan kind of that axis
-  left_to_compiler: tuple[str, ...]  # other axes that need a collective
-  estimate: cost_model.Estimate | None
-  reason: str
-  # How the gradients of (lhs, rhs) run when decomposed: 'ring' (the transposed
-  # einsum decomposed over the same axis) or 'none' (one einsum over an operand the
-  # compiler gathers once: auto's choice where the ring's steps would be HBM-bound).
-  backward: tuple[str, str] = ('ring', 'ring')
-  # (axis, mode) of a gradient's ring where it runs over another axis than the forward's
-  # (a weight gradient over ``fsdp``, where the compiler's reduce-scatter of its partial
-  # sums would block the chip) or in another mode (a weight gradient's ring bidirectional
-  # beside a unidirectional forward): ``_backward_forms``.
-  backward_over: tuple[tuple[str, str] | None, tuple[str, str] | None] = (None, None)
-  # Each gradient's (lhs, rhs) forms under auto, with the modeled seconds that chose
-  # between them (``_backward_forms``): 'one einsum' or 'MODE over AXIS', each with the
-  # compiler's collectives over the axes it leaves, and "compiler's collective over AXIS".
-  gradient_seconds: tuple[dict[str, float], dict[str, float]] = ({}, {})
-  # Which of (lhs, rhs, out) holds its blocks along the ring's dimension in the order the
-  # rings pass them ('' none): set by the layer plan for an einsum of a position-wise
-  # chain (``sharding.plan_layers``, ``ring_order_fits``); ``run_decision`` honours it.
-  ring_order: str = ''
-  # What partial sums travel and rest in (RING_DTYPES), and each ring's schedule: the
-  # forward's, the lhs gradient's and the rhs gradient's (None: that einsum is no ring).
-  ring_dtype: str = 'compute'
-  schedules: tuple[schedule.RingSchedule | None, ...] = (None, None, None)
-  # Under parallelism.tune=measure, each form tried and its seconds on the devices
-  # (forward and both gradients, the slowest process's): ``parallelism/tune.py``.
-  measured: tuple[tuple[str, float], ...] = ()
-
-  @property
-  def decomposed(self) -> bool:
-    """Whether any of its einsums runs as a ring: the forward, or a gradient alone (a
-    weight gradient over ``fsdp`` beside a plain forward)."""
-    return self.mode != 'none' or any(self.backward_over)
-
-  def gradient(self, which: int) -> str:
-    """How gradient ``which`` (0: lhs, 1: rhs) runs: 'ring', 'MODE over AXIS' or 'none'."""
-    other = self.backward_over[which]
-    return f'{other[1]} over {other[0]}' if other and self.backward[which] == 'ring' else \
-        self.backward[which]
-
-
-def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
-            mode='auto', hardware=None, ring_dtype='compute',
-            gradient_accumulators='any', gradient_rings='ringed_forward',
-            prefer: Mapping[str, Any] | None = None) -> Decision:
-  """Decides how ``collective_einsum`` would run, without running it: the mode, the axis,
-  the gradients' forms and each ring's schedule (``parallelism/schedule.py``; ``prefer``:
-  schedule settings to use instead of the planner's, where they apply, as a plan file or
-  a test sets them).
-
-  Raises:
-    ValueError: for an explicit mode that cannot be honoured, naming the specs, or a bad
-      ``prefer``.
-  """
-  prefer = schedule.check_prefer(prefer)
-  pairs = prefer.get('pairs')
-  if mode == 'always' and 'direction' in prefer:
-    mode = prefer['direction']
-  overlapped = (hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
-      hardware or cost_model.DEFAULT_HARDWARE)).async_collectives
-  decision = _decide(equation, lhs_shape, rhs_shape, dtype, mesh, (lhs_spec, rhs_spec, out_spec),
-                     mode, hardware, ring_dtype, gradient_accumulators, gradient_rings,
-                     pairs or ('apart' if overlapped else 'joined'), overlapped)
-  return with_schedules(decision, lhs_shape, rhs_shape, mesh=mesh, lhs_spec=lhs_spec,
-                        rhs_spec=rhs_spec, out_spec=out_spec, hardware=hardware, prefer=prefer)
-
-
-def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardware, ring_dtype,
-            gradient_accumulators, gradient_rings, gather_pairs, overlapped) -> Decision:
-  """``explain``'s mode, axis and gradient forms, before the rings' schedules."""
-  lhs_spec, rhs_spec, out_spec = all_specs
-  if mode not in MODES:
-    raise ValueError(f'mode={mode!r} is not one of {MODES}')
-  if ring_dtype not in RING_DTYPES:
-    raise ValueError(f'ring_dtype={ring_dtype!r} is not one of {RING_DTYPES}')
-  if gradient_accumulators not in GRADIENT_ACCUMULATORS:
-    raise ValueError(f'gradient_accumulators={gradient_accumulators!r} is not one of '
-                     f'{GRADIENT_ACCUMULATORS}')
-  if gradient_rings not in GRADIENT_RINGS:
-    raise ValueError(f'gradient_rings={gradient_rings!r} is not one of {GRADIENT_RINGS}')
-  alone = gradient_rings == 'any_forward'
-  form = _Priced(ring_dtype == 'float32', gather_pairs == 'apart')
-  eq, plans = einsum_plan.plan(equation, lhs_spec, rhs_spec, out_spec)
-  # An axis of size 1 needs no collective whatever the specs say.
-  needs = [p for p in plans if p.kind != 'pass' and mesh.shape[p.axis] > 1]
-  specs = f'lhs {lhs_spec}, rhs {rhs_spec}, out {out_spec}'
-  shapes = (lhs_shape, rhs_shape)
-  problems = {p.axis: _problem(eq, p, shapes, all_specs, mesh) for p in needs}
-  ok = [p for p in needs if not problems[p.axis]]
-  chosen = _choose_axis(eq, ok, shapes, all_specs, dtype, mesh, hardware, form) if ok \
-      else None
-  estimate = chosen and _estimate(eq, chosen, shapes, all_specs, dtype, mesh,
-                                  hardware or cost_model.DEFAULT_HARDWARE, form)
-  others = tuple(p.axis for p in needs if p is not chosen)
-  if mode == 'none':
-    return Decision(str(eq), 'none', None, chosen and chosen.kind, others, estimate,
-                    'mode="none"', ring_dtype=ring_dtype)
-  if chosen is None:
-    why = '; '.join(problems.values()) or 'no mesh axis needs a collective'
-    if mode != 'auto':
-      raise ValueError(f'cannot decompose {eq} with mode="{mode}": {why} ({specs})')
-    return _gradients_alone(
-        Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}',
-                 ring_dtype=ring_dtype),
-        eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
-  backward, backward_over = ('ring', 'ring'), (None, None)
-  if mode == 'auto':
-    choice = estimate.best
-    reason = f'cost model ({estimate.hardware}) picks {choice}' + (
-        ' (ring steps bound by HBM traffic)' if estimate.step_memory_bound else '')
-    if choice == 'none':
-      return _gradients_alone(
-          Decision(str(eq), 'none', None, chosen.kind, others, estimate, reason,
-                   ring_dtype=ring_dtype),
-          eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
-    if choice == 'unidirectional' and (estimate.seconds['bidirectional']
-                                       < estimate.seconds['unidirectional']):
-      reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
-                 'faster: the simpler ring)')
-    rings, seconds = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                                     hardware, form, gradient_accumulators == 'sharded')
-    backward = tuple('none' if r is None else 'ring' for r in rings)
-    backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
-                          for r in rings)
-    for which, r, forms in zip(('lhs', 'rhs'), rings, seconds):
-      if r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
-        reason += f'; gradient of {which} as one einsum (its ring would be slower)'
-      elif r is None:  # no ring was priced
-        reason += f'; gradient of {which} as one einsum (no ring can run it' + (
-            ": under gradient_accumulators='sharded' not the one over "
-            f'{chosen.axis}' if gradient_accumulators == 'sharded' else '') + ')'
-      elif r[0] != chosen.axis:
-        reason += _blocking(which, r)
-      elif r[1] != choice:
-        reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
-                   'rings, on both link directions)')
-    return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason,
-                    backward, backward_over, seconds, ring_dtype=ring_dtype)
-  choice, reason = mode, f'mode="{mode}"'
-  if mode == 'always':  # a ring in the direction the cost model prefers where rings overlap
-    choice = estimate.best_ring if overlapped else 'unidirectional'
-    reason = f'mode="always": {choice}' + ('' if overlapped else ' (nothing overlaps on '
-                                                                  f'{estimate.hardware})')
-  return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason,
-                  ring_dtype=ring_dtype)
-
-
-def with_schedules(decision: Decision, lhs_shape, rhs_shape, *, mesh, lhs_spec, rhs_spec,
-                   out_spec, hardware=None, prefer: Mapping[str, Any] | None = None) -> Decision:
-  """``decision`` (``explain``'s, perhaps with its forms changed) with its rings' schedules
-  chosen anew for them: the planner's, each field of ``prefer`` instead where it applies."""
-  profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
-      hardware or cost_model.DEFAULT_HARDWARE)
-  return _scheduled(decision, (lhs_shape, rhs_shape), (lhs_spec, rhs_spec, out_spec), mesh,
-                    profile, schedule.check_prefer(prefer))
-
-
-def _scheduled(decision: Decision, shapes, specs, mesh, profile, prefer) -> Decision:
-  """``decision`` with the schedule of each ring it runs (``schedule.choose``)."""
-  if not decision.decomposed:
-    return decision
-  cfg = _static(decision, specs, mesh)
-  eq = Equation.parse(decision.equation)
-  sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
-  out_shape = tuple(sizes[l] for l in eq.out)
-  rings = ((cfg, shapes, decision.mode != 'none'),
-           (cfg.transposed('lhs'), (out_shape, shapes[1]), decision.backward[0] == 'ring'),
-           (cfg.transposed('rhs'), (shapes[0], out_shape), decision.backward[1] == 'ring'))
-  gather = _gather_first_spec(cfg) is not None
-  schedules = tuple(
-      schedule.choose(_ring_facts(c, s, i, gather and i == 2, profile.platform),
-                      profile.async_collectives, prefer)
-      if runs and _is_ring(c) else None for i, (c, s, runs) in enumerate(rings))
-  return dataclasses.replace(decision, schedules=schedules)
-
-
-def ring_einsums(decision: Decision, specs) -> tuple[tuple[str, str] | None, ...]:
-  """(equation, AxisPlan kind) of each ring ``decision`` runs (forward, lhs gradient, rhs
-  gradient; None: no ring), the equation as the ring's scope names it in HLO
-  (``SCOPE/KIND/DIRECTION/EQUATION``)."""
-  cfg = _static(decision, specs, None)
-  rings = (cfg, cfg.transposed('lhs'), cfg.transposed('rhs'))
-  return tuple((c.equation, _axis_plan(c)[1].kind) if sc is not None else None
-               for c, sc in zip(rings, decision.schedules))
-
-
-def _is_ring(cfg: _Static) -> bool:
-  """Whether ``cfg``'s einsum runs as a ring (``_transpose_einsum``'s test)."""
-  if cfg.axis is None:
-    return False
-  _, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  return any(p.axis == cfg.axis and p.kind in DECOMPOSABLE for p in plans)
-
-
-def _ring_facts(cfg: _Static, shapes, index: int, gather: bool,
-                platform: str) -> schedule.RingFacts:
-  """What decides which schedule settings apply to the ring ``cfg`` runs on operands of
-  ``shapes`` (ring ``index``: 0 the forward's, 1 and 2 the gradients')."""
-  cfg, *shapes = _gathered_dims_major(cfg, *shapes)
-  eq, plan = _axis_plan(cfg)
-  specs = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  manual = (cfg.axis,) + _manual_extra(cfg, eq, *specs)
-  local = [_local_shape(shape, spec, manual, cfg.mesh) for shape, spec in zip(shapes, specs)]
-  fused_fits, problem = False, 'an all-gather ring'
-  if plan.kind == 'reducescatter':
-    z = plan.out_letter
-    (owner, other), other_letters = ((local, eq.rhs) if z in eq.lhs else
-                                     (local[::-1], eq.lhs))
-    fused_fits = _halved_letter(eq, z, other_letters, other) is not None
-    problem = _kernel_problem(cfg, eq, z, manual, owner, other)
-  return schedule.RingFacts(plan.kind, cfg.bidirectional, cfg.activation_out, index == 0,
-                            fused_fits, problem, gather, platform, cfg.mesh.shape[cfg.axis])
-
-
-def _kernel_problem(cfg: _Static, eq: Equation, z: str, manual, owner_shape,
-                    other_shape) -> str:
-  """Why the pair kernel (``_pair_kernel_ring``) cannot run a reduce-scatter ring ('' where
-  it can): an even two-way weight-gradient ring whose shard_map holds every mesh axis of
-  size > 1 manual (a Mosaic kernel needs all of them manual), in ``_kernel_form``'s shapes."""
-  n = cfg.mesh.shape[cfg.axis]
-  others = [a for a in cfg.mesh.axis_names if a not in manual and cfg.mesh.shape[a] > 1]
-  if cfg.activation_out:
-    return 'its output is an activation'
-  if not cfg.bidirectional or n % 2:
-    return 'not an even two-way ring'
-  if others:
-    return f'mesh axis {others[0]} is not manual in its shard_map'
-  if _kernel_form(eq, z, owner_shape, other_shape) is None:
-    return "its operands are not [contracted..., sliced] and [contracted..., output's]"
-  return ''
-
-
-def _local_shape(shape, spec, manual, mesh) -> tuple[int, ...]:
-  """The block of a ``shape`` array laid out as ``spec`` that a shard_map manual over
-  ``manual`` hands each device."""
-  spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
-  return tuple(d // math.prod(mesh.shape[a] for a in einsum_plan.axes_of(e) if a in manual)
-               for d, e in zip(shape, spec))
-
-
-def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
-                     form: _Priced, enabled: bool) -> Decision:
-  """``plain`` (a forward left to the compiler, under auto), with each gradient einsum
-  that reduce-scatters over an axis as a ring over it where the cost model says that
-  ring costs less than the compiler's reduce-scatter, which blocks the chip; only where
-  ``enabled`` (``gradient_rings='any_forward'``).
-
-  A weight gradient under FSDP with a data axis (the batch over ``(data, fsdp)``): the
-  forward's weight gather over ``fsdp`` is the compiler's, prefetched, but the gradient's
-  reduce-scatter over ``fsdp`` is synchronous; its ring sums the batch's partial products
-  over ``fsdp`` block by block, and the compiler then sums its block over ``data``. Not by
-  default: the cost model picks these rings where they lose, as it takes the rings' extra
-  compute for less and the compiler's reduce-scatters for more than the compiled programs
-  show (modeled, compiled: v5p ``dense_64b``, data=8 x fsdp=64, 4.383 -> 4.266 s a step;
-  ``dense_10b``, data=4 x fsdp=32, v4 1.200 -> 1.229 s, v5p 1.330 -> 1.340 s;
-  docs/paper_scale.md).
-  """
-  if not enabled:
-    return plain
-  rings, seconds = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
-                                   form)
-  if not any(rings):
-    return dataclasses.replace(plain, gradient_seconds=seconds)
-  reason = plain.reason + ''.join(_blocking(w, r) for w, r in zip(('lhs', 'rhs'), rings) if r)
-  return dataclasses.replace(plain, reason=reason, backward_over=rings, gradient_seconds=seconds,
-                             backward=tuple('ring' if r else 'none' for r in rings))
-
-
-def _blocking(which: str, ring: tuple[str, str]) -> str:
-  """The reason's words for gradient ``which`` on a ring over another axis than the
-  forward's."""
-  return (f'; gradient of {which} {ring[1]} over {ring[0]} (the compiler\'s reduce-scatter '
-          f'over {ring[0]} would block)')
-
-
-def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
-                    mesh, hardware, form: _Priced, sharded: bool = False):
-  """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; and
-  the modeled seconds of each one's forms (``Decision.gradient_seconds``).
-
-  The candidates are one einsum, the ring over the forward's ``axis`` (in its ``mode``)
-  and a ring over any other axis over which the gradient einsum reduce-scatters (a weight
-  gradient over ``fsdp``, in that ring's best mode). Each is costed as its ring (or its
-  einsum) plus the transfers of the collectives it leaves to the compiler: a reduce-scatter
-  blocks the chip (synchronous under the TPU flags), an all-gather of the cotangent is
-  waited for, and an all-gather of one of the forward's inputs, though the compiler
-  prefetches it asynchronously, holds the links of the forward's axis while the other
-  gradient's ring runs over them, so the two take turns (the step model's ``links``; 64B's
-  ``mlp.gate_up``: x's gather over tensor queued the data gradient's ring behind it; counted,
-  its weight gradient rings over tensor: 64B 4.700 -> 4.649 s a step, 500B 8.027 -> 7.859 s,
-  modeled). The least wins; ties go to the forward's ring.
-
-  The weight's gradient (of ``rhs``, the weight in ``Ops.einsum``) rings over the forward's
-  axis bidirectionally whatever the forward's mode (``WEIGHT_GRADIENT_MODE``): it is off
-  the critical path, and the scheduler runs it beside the next layer's data-gradient
-  rings, which use both directions of the same links; unidirectional, all its transfers
-  queue on one of them (dense_64b's ``mlp.gate_up`` weight gradient beside ``attn.o``'s
-  data gradient: 0.125 s a step exposed; bidirectional, 0.047 s, the step 4.437 -> 4.342
-  s, modeled).
-
-  The cotangent's gather over the forward's axis is counted even where the data
-  gradient's ring hands it on whole (``keeps_cotangent``), which the forms other than the
-  forward's ring then save: not counting it moved dense_500b's ``attn.o`` weight gradient
-  from the ring over tensor to the one over fsdp, 7.834 s a step against 7.773 s
-  (modeled): the fsdp ring's 128 short steps cost more than the model says.
-
-  Under ``sharded`` (``GRADIENT_ACCUMULATORS``) an all-gather ring over the forward's
-  axis is no candidate where the gradient is reduced over another axis afterwards: its
-  accumulator would hold the gradient whole over that axis.
-
-  With ``axis`` None (a forward left to the compiler, ``_gradients_alone``) the candidates
-  are one einsum and the rings over the axes a gradient einsum reduce-scatters over.
-  """
-  sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
-  out_shape = tuple(sizes[l] for l in eq.out)
-  lhs_spec, rhs_spec, out_spec = specs
-  transposed = {'lhs': (f'{eq.out},{eq.rhs}->{eq.lhs}', (out_spec, rhs_spec, lhs_spec),
-                        (out_shape, shapes[1])),
-                'rhs': (f'{eq.lhs},{eq.out}->{eq.rhs}', (lhs_spec, out_spec, rhs_spec),
-                        (shapes[0], out_shape))}
-  rings, seconds = [], {'lhs': {}, 'rhs': {}}
-  for which, (equation, t_specs, t_shapes) in transposed.items():
-    t_eq, plans = einsum_plan.plan(equation, *t_specs)
-    plan = next((p for p in plans if p.axis == axis), None) if axis else None
-    if axis and (plan is None or plan.kind not in DECOMPOSABLE):
-      rings.append((axis, mode))  # the compiler's collective either way (_transpose_einsum)
-      continue
-    others = [p for p in plans if p.kind == 'reducescatter' and p.axis != axis and
-              mesh.shape[p.axis] > 1 and
-              not _problem(t_eq, p, t_shapes, t_specs, mesh, alone=False)]
-    candidates = ([plan] if plan else []) + others
-    if not candidates:
-      rings.append(None)
-      continue
-    own_ring = plan is not None and not (
-        sharded and plan.kind == 'allgather_contracting' and any(
-            p.kind == 'reducescatter' and p.axis != axis and mesh.shape[p.axis] > 1
-            for p in plans))
-    est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, form)
-           for p in candidates}
-    # The compiler's collective over each axis, where the ring runs over another one.
-    compiler = {p.axis: est[p.axis].comm_seconds for p in candidates}
-    left = lambda a: sum(s for b, s in compiler.items() if b != a)
-    own = WEIGHT_GRADIENT_MODE if which == 'rhs' and plan and mesh.shape[axis] > 2 else mode
-    total = {(axis, own): est[axis].seconds[own] + left(axis)} if own_ring else {}
-    for p in others:
-      m = est[p.axis].best_ring
-      total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
-    plain = est[candidates[0].axis].compute_seconds + sum(compiler.values())
-    best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
-    rings.append(best if best and total[best] <= plain else None)
-    seconds[which] = {'one einsum': plain, **{f'{m} over {a}': s for (a, m), s in total.items()},
-                      **{f"compiler's collective over {a}": s for a, s in compiler.items()}}
-  return tuple(rings), (seconds['lhs'], seconds['rhs'])
-
-
-def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,
-              form: _Priced) -> cost_model.Estimate:
-  """The cost model's estimate for a ring over ``plan.axis``, operands as a device holds
-  them in that ring."""
-  return cost_model.estimate(eq, plan, *shapes, dtype, mesh, hardware,
-                             wire_fp32=form.wire_fp32,
-                             local=local_elements(eq, plan.axis, *shapes, specs, mesh),
-                             flops=device_flops(eq, plan.axis, *shapes, specs, mesh),
-                             apart_pairs=form.apart_pairs)
-
-
-def _choose_axis(eq, candidates, shapes, specs, dtype, mesh, hardware,
-                 form: _Priced) -> AxisPlan:
-  """The axis whose collective costs most; ``tensor`` when there is no model."""
-  if len(candidates) == 1 or hardware is None:
-    named = [p for p in candidates if p.axis == 'tensor']
-    return (named or candidates)[0]
-  cost = lambda p: cost_model.estimate(eq, p, *shapes, dtype, mesh, hardware,
-                                       wire_fp32=form.wire_fp32).comm_seconds
-  return max(candidates, key=cost)
-
-
-def local_elements(eq: Equation, axis: str, lhs_shape, rhs_shape, specs, mesh):
-  """Elements of (lhs, rhs, output) one device holds in the ring over ``axis``.
-
-  Operands as the ring takes them (``hoisted_specs``: other axes' collectives done
-  before it); the output without the axes its partial sums are reduced over
-  after the ring, which hold it whole until then.
-  """
-  lhs_spec, rhs_spec, out_spec = specs
-  lhs_spec, rhs_spec = hoisted_specs(eq, axis, lhs_spec, rhs_spec, out_spec)
-  summed = _summed_axes(eq, axis, lhs_spec, rhs_spec)
-  sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
-
-  def count(letters, spec, whole=()):
-    axes = [a for ax in einsum_plan.letter_axes(letters, spec).values() for a in ax
-            if a not in whole]
-    return math.prod(sizes[l] for l in letters) / math.prod(mesh.shape[a] for a in axes)
-
-  return count(eq.lhs, lhs_spec), count(eq.rhs, rhs_spec), count(eq.out, out_spec, summed)
-
-
-def device_flops(eq: Equation, axis: str, lhs_shape, rhs_shape, specs, mesh) -> float:
-  """The einsum's FLOPs on one device over the whole ring over ``axis``: its FLOPs over
-  the ring's size and the sizes of the other axes that shard its operands as the ring
-  takes them (``hoisted_specs``); an axis that shards neither (a ``data`` axis the layer
-  does not split) holds the einsum whole on each of its devices, so it divides nothing.
-  """
-  lhs_spec, rhs_spec = hoisted_specs(eq, axis, *specs)
-  sizes = {**dict(zip(eq.lhs, lhs_shape)), **dict(zip(eq.rhs, rhs_shape))}
-  axes = {a for letters, spec in ((eq.lhs, lhs_spec), (eq.rhs, rhs_spec))
-          for ax in einsum_plan.letter_axes(letters, spec).values() for a in ax} - {axis}
-  return 2 * math.prod(sizes.values()) / mesh.shape[axis] / math.prod(
-      mesh.shape[a] for a in axes)
-
-
-def _problem(eq, p, shapes, specs, mesh, alone: bool = True) -> str:
-  """Why this axis cannot be decomposed, or ''.
-
-  ``alone``: the axis must shard each of its dims alone (the forward's rule); else
-  other axes of size 1 on its dims are ignored (a weight gradient's ring over
-  ``fsdp`` where the batch is over ``(data, fsdp)`` and ``data`` is 1). Either way a
-  reduce-scatter's contracted dim may be sharded over other axes too where both
-  operands shard it alike (the batch over ``(data, fsdp)`` in a weight gradient): each
-  device contracts its own block, and the partial sums over the other axes are reduced
-  after the ring (``_summed_axes``).
-  """
-  if p.kind not in DECOMPOSABLE:
-    return p.reason
-  n = mesh.shape[p.axis]
-  sizes = {**dict(zip(eq.lhs, shapes[0])), **dict(zip(eq.rhs, shapes[1]))}
-  out_axes = einsum_plan.letter_axes(eq.out, specs[2]).values()
-  if p.kind != 'reducescatter' and not any(p.axis in axes for axes in out_axes):
-    return f'the output is replicated over {p.axis}: each device would compute all of it'
-  alike = set()
-  if p.kind == 'reducescatter':
-    lhs_axes, rhs_axes = (einsum_plan.letter_axes(l, s)[p.letter]
-                          for l, s in ((eq.lhs, specs[0]), (eq.rhs, specs[1])))
-    alike = {p.letter} if lhs_axes == rhs_axes else set()
-  for letters, spec in zip((eq.lhs, eq.rhs, eq.out), specs):
-    for letter, axes in einsum_plan.letter_axes(letters, spec).items():
-      shared = [a for a in axes if a != p.axis and (alone or mesh.shape[a] > 1)]
-      if p.axis in axes and shared and letter not in alike:
-        return f'{p.axis} shares a dimension with other mesh axes {axes}'
-  for letter in filter(None, (p.letter, p.out_letter)):
-    if sizes[letter] % n:
-      return f'dimension {letter}={sizes[letter]} is not divisible by {p.axis}={n}'
-  return ''
 
 
 def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
@@ -568,17 +99,8 @@ def run_decision(decision: Decision, lhs, rhs, *, mesh, lhs_spec, rhs_spec,
   if not decision.decomposed:
     out = _plain(decision.equation, lhs, rhs, dtype, decision.ring_dtype == 'float32')
   else:  # a ring forward, or a plain one whose gradients ring (cfg.axis None)
-    out = _decomposed(_static(decision, (lhs_spec, rhs_spec, out_spec), mesh), lhs, rhs)
+    out = _decomposed(static(decision, (lhs_spec, rhs_spec, out_spec), mesh), lhs, rhs)
   return put(out, PartitionSpec(*out_spec))
-
-
-def _static(decision: Decision, specs, mesh) -> '_Static':
-  """The forward ring's ``_Static`` (its gradients': ``transposed``) for ``decision``."""
-  lhs_spec, rhs_spec, out_spec = (PartitionSpec(*s) for s in specs)
-  return _Static(decision.equation, mesh, lhs_spec, rhs_spec, out_spec, decision.axis,
-                 decision.mode == 'bidirectional', decision.ring_dtype == 'float32',
-                 decision.backward, decision.backward_over, decision.schedules,
-                 ring_order=decision.ring_order)
 
 
 def ring_order_fits(decision: Decision, lhs_spec, rhs_spec, out_spec, array: str) -> bool:
@@ -588,13 +110,13 @@ def ring_order_fits(decision: Decision, lhs_spec, rhs_spec, out_spec, array: str
   if (decision.mode == 'none' or decision.backward != ('ring', 'ring') or
       any(o is not None and o[0] != decision.axis for o in decision.backward_over)):
     return False
-  cfg = dataclasses.replace(_static(decision, (lhs_spec, rhs_spec, out_spec), None),
+  cfg = dataclasses.replace(static(decision, (lhs_spec, rhs_spec, out_spec), None),
                             ring_order=array)
   return all(_whole_along_ring(c) == c.ring_order
              for c in (cfg, cfg.transposed('lhs'), cfg.transposed('rhs')))
 
 
-def _whole_along_ring(cfg: _Static) -> str | None:
+def _whole_along_ring(cfg: Static) -> str | None:
   """Which of (lhs, rhs, out) the ring of ``cfg`` holds whole along its dimension: an
   all-gather ring's result or the operand it does not gather, a reduce-scatter ring's
   sliced operand (None: not a ring)."""
@@ -628,60 +150,12 @@ def _wire(dtype, fp32: bool):
   return _acc(dtype) if fp32 else dtype
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  equation: str
-  mesh: jax.sharding.Mesh
-  lhs_spec: PartitionSpec
-  rhs_spec: PartitionSpec
-  out_spec: PartitionSpec
-  axis: str | None  # None: the forward is one einsum, only a gradient rings
-  bidirectional: bool
-  wire_fp32: bool = False  # partial sums (accumulators, reductions) travel in fp32
-  backward: tuple[str, str] = ('ring', 'ring')  # Decision.backward
-  backward_over: tuple = (None, None)  # Decision.backward_over
-  schedules: tuple = (None, None, None)  # Decision.schedules
-  ring: int = 0  # which of them this einsum's ring is: 0 forward, 1 lhs gradient, 2 rhs
-  activation_out: bool = True  # the output is an activation (not a weight's gradient)
-  # Which of (lhs, rhs, out) holds its blocks along the ring's dimension in ring order
-  # (``ring.ring_position``; '' none): the array every ring of this einsum holds whole
-  # there (``ring_order_fits``)
-  ring_order: str = ''
-
-  @property
-  def sched(self) -> schedule.RingSchedule:
-    """This ring's schedule (the simplest where the plan has none: ``ring_order_fits``)."""
-    return self.schedules[self.ring] or schedule.RingSchedule(
-        'bidirectional' if self.bidirectional else 'unidirectional')
-
-  def transposed(self, which: str) -> '_Static':
-    """The einsum giving the gradient of operand ``which`` ('lhs' or 'rhs'), over the
-    axis its ring runs on."""
-    eq = Equation.parse(self.equation)
-    axis, mode = self.backward_over[0 if which == 'lhs' else 1] or (
-        self.axis, 'bidirectional' if self.bidirectional else 'unidirectional')
-    if which == 'lhs':
-      equation, specs = f'{eq.out},{eq.rhs}->{eq.lhs}', (self.out_spec, self.rhs_spec,
-                                                           self.lhs_spec)
-    else:
-      equation, specs = f'{eq.lhs},{eq.out}->{eq.rhs}', (self.lhs_spec, self.out_spec,
-                                                           self.rhs_spec)
-    # the gradient einsum's (lhs, rhs, out) are this one's (out, rhs, lhs) or (lhs, out, rhs)
-    order = ({'out': 'lhs', 'rhs': 'rhs', 'lhs': 'out'} if which == 'lhs' else
-             {'lhs': 'lhs', 'out': 'rhs', 'rhs': 'out'}).get(self.ring_order, '')
-    return dataclasses.replace(self, equation=equation, lhs_spec=specs[0],
-                               rhs_spec=specs[1], out_spec=specs[2], axis=axis,
-                               bidirectional=mode == 'bidirectional',
-                               ring=1 if which == 'lhs' else 2,
-                               activation_out=which == 'lhs', ring_order=order)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _decomposed(cfg: _Static, lhs, rhs):
+def _decomposed(cfg: Static, lhs, rhs):
   return _forward(cfg, lhs, rhs)
 
 
-def _forward(cfg: _Static, lhs, rhs):
+def _forward(cfg: Static, lhs, rhs):
   if cfg.axis is None:
     return _plain(cfg.equation, lhs, rhs, jnp.result_type(lhs.dtype, rhs.dtype),
                   cfg.wire_fp32)
@@ -694,7 +168,7 @@ def _decomposed_fwd(cfg, lhs, rhs):
 
 def _decomposed_bwd(cfg, residuals, g):
   lhs, rhs = residuals
-  if _hands_cotangent_on(cfg):
+  if hands_cotangent_on(cfg):
     # The data gradient's ring gathers g over the forward's axis block by block; the
     # weight gradient's ring over another axis (fsdp) gets g whole from it instead of the
     # compiler gathering it again (the same bytes twice over the same links). Not for a
@@ -709,72 +183,30 @@ def _decomposed_bwd(cfg, residuals, g):
   return d_lhs, d_rhs
 
 
-def _hands_cotangent_on(cfg: _Static) -> bool:
-  """Whether the data gradient's ring hands the cotangent it gathered on to the weight
-  gradient's ring over another axis (``_decomposed_bwd``)."""
-  eq, specs = Equation.parse(cfg.equation), (cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  return (cfg.backward == ('ring', 'ring') and cfg.backward_over[0] is None and
-          cfg.backward_over[1] is not None and cfg.backward_over[1][0] != cfg.axis and
-          keeps_cotangent(eq, cfg.axis, specs, cfg.mesh))
-
-
-def _gather_first_spec(cfg: _Static):
-  """The spec the weight gradient's ring over another axis takes ``lhs`` in, where the
-  compiler gathers it over the forward's axis beside a two-way data-gradient ring (the
-  schedule's ``gather`` applies there: ``_gathered_first``); else None."""
-  if cfg.backward != ('ring', 'ring') or _hands_cotangent_on(cfg):
-    return None
-  w, d = cfg.transposed('rhs'), cfg.transposed('lhs')
-  if w.axis in (None, cfg.axis) or not d.bidirectional:
-    return None
-  spec, _ = hoisted_specs(Equation.parse(w.equation), w.axis, w.lhs_spec, w.rhs_spec,
-                          w.out_spec)
-  over_axis = lambda s: cfg.axis in {a for e in s for a in einsum_plan.axes_of(e)}
-  return spec if over_axis(cfg.lhs_spec) and not over_axis(spec) else None
-
-
-def _gathered_first(cfg: _Static, lhs, g):
+def _gathered_first(cfg: Static, lhs, g):
   """``lhs`` as the weight gradient's ring over another axis takes it, gathered over the
   forward's axis by the compiler, and ``g`` held back until it is (``ring.waiting_for``):
   where the data gradient's ring over the forward's axis is bidirectional, its transfers
   fill both directions of the links that gather runs on, and beside it one queued behind
   the other (dense_500b's ``attn.qkv``: 0.060 s a step exposed, 0.020 s with the gather
   first; modeled, docs/paper_scale.md). Else both as they were."""
-  spec = _gather_first_spec(cfg)
+  spec = gather_first_spec(cfg)
   if spec is not None:  # the compiler gathers it
     lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, spec))
     g = ring.waiting_for(g, lhs)
   return lhs, g
 
 
-def keeps_cotangent(eq: Equation, axis: str, specs, mesh) -> bool:
-  """Whether the data gradient's ring over ``axis`` gathers the cotangent (an
-  all-gather ring, the transpose of a reduce-scatter one: ``attn.o``, ``mlp.down``) with
-  no partial sums over other axes, so that it can hand the cotangent on whole."""
-  lhs_spec, rhs_spec, out_spec = specs
-  d_eq, plans = einsum_plan.plan(f'{eq.out},{eq.rhs}->{eq.lhs}', out_spec, rhs_spec, lhs_spec)
-  plan = next((p for p in plans if p.axis == axis), None)
-  if plan is None or plan.kind != 'allgather_free' or plan.gathered != 'lhs':
-    return False
-  hoisted = hoisted_specs(d_eq, axis, out_spec, rhs_spec, lhs_spec)
-  return not [a for a in _summed_axes(d_eq, axis, *hoisted) if mesh.shape[a] > 1]
-
-
 _decomposed.defvjp(_decomposed_fwd, _decomposed_bwd)
 
 
-def _axis_plan(cfg: _Static) -> tuple[Equation, AxisPlan]:
-  eq, plans = einsum_plan.plan(cfg.equation, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  return eq, next(p for p in plans if p.axis == cfg.axis)
-
-
-def _transpose_einsum(cfg: _Static, a, b, dtype, form: str = 'ring',
+def _transpose_einsum(cfg: Static, a, b, dtype, form: str = 'ring',
                       keep_gathered: bool = False):
   """A gradient einsum, decomposed over the same axis when its pattern allows and
   ``form`` is 'ring'; else one einsum over what the compiler gathers. With
   ``keep_gathered`` (a ring), also the operand the ring gathered (``_ring_einsum``)."""
   whole = None
-  if form == 'ring' and cfg.axis and _axis_plan(cfg)[1].kind in DECOMPOSABLE:
+  if form == 'ring' and cfg.axis and axis_plan(cfg)[1].kind in DECOMPOSABLE:
     out = _ring_einsum(cfg, a, b, keep_gathered)
     if keep_gathered:
       out, whole = out
@@ -815,11 +247,11 @@ class _Ring:
   # an einsum a block, each product written where it goes, not one einsum over the pair
   apart_pairs: bool = False
   # the array the ring holds whole along its dimension has its blocks in ring order
-  # (``ring.ring_position``; ``_Static.ring_order``)
+  # (``ring.ring_position``; ``Static.ring_order``)
   ring_order: bool = False
 
 
-def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
+def _ring_einsum(cfg: Static, lhs, rhs, keep_gathered: bool = False):
   """Runs the decomposed einsum in a shard_map manual over ``cfg.axis`` (and summed axes).
 
   With ``keep_gathered`` (an all-gather ring without partial sums, ``keeps_cotangent``),
@@ -827,8 +259,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   blocks that passed.
   """
   named, before = cfg.equation, Equation.parse(cfg.equation)
-  cfg, lhs, rhs = _gathered_dims_major(cfg, lhs, rhs)
-  eq, plan = _axis_plan(cfg)
+  cfg, lhs, rhs = gathered_dims_major(cfg, lhs, rhs)
+  eq, plan = axis_plan(cfg)
   n = cfg.mesh.shape[cfg.axis]
   dtype = jnp.result_type(lhs.dtype, rhs.dtype)
   # XLA's in-process CPU collectives can fail when one collective-permute runs
@@ -846,8 +278,8 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   lhs_spec, rhs_spec = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
   lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(cfg.mesh, lhs_spec))
   rhs = jax.lax.with_sharding_constraint(rhs, NamedSharding(cfg.mesh, rhs_spec))
-  extra = _manual_extra(cfg, eq, lhs_spec, rhs_spec)
-  summed = extra[:len(_summed(cfg, eq, lhs_spec, rhs_spec))]
+  extra = manual_extra(cfg, eq, lhs_spec, rhs_spec)
+  summed = extra[:len(summed_over(cfg, eq, lhs_spec, rhs_spec))]
   manual = (cfg.axis,) + extra
   # A Mosaic kernel runs only where every mesh axis is manual: a pair-kernel ring has every
   # axis of size > 1 manual already (the planner checked: ``_kernel_problem``) and makes the
@@ -895,76 +327,6 @@ def _ring_einsum(cfg: _Static, lhs, rhs, keep_gathered: bool = False):
   return out[0], jnp.transpose(out[1], [new.index(l) for l in old])
 
 
-def _summed(cfg: _Static, eq: Equation, lhs_spec, rhs_spec) -> tuple[str, ...]:
-  """Axes that shard a contracted dim of both operands (a weight gradient's batch): manual
-  too, so partial sums accumulate over the ring and are reduced once after it, not once
-  per step."""
-  return tuple(a for a in _summed_axes(eq, cfg.axis, lhs_spec, rhs_spec)
-               if cfg.mesh.shape[a] > 1)
-
-
-def _manual_extra(cfg: _Static, eq: Equation, lhs_spec, rhs_spec) -> tuple[str, ...]:
-  """The ring's shard_map's manual axes besides its own: ``_summed``'s, then axes that shard
-  the einsum alike everywhere (an expert weight gradient's experts), where each device keeps
-  its block. Left to the compiler inside the shard_map, it gathered them around the
-  reduction over the summed axes (a v5p MoE program: every expert's gradient all-gathered
-  and reduce-scattered, 16x the bytes)."""
-  summed = _summed(cfg, eq, lhs_spec, rhs_spec)
-  passing = tuple(a for a in _passing_axes(eq, cfg.axis, lhs_spec, rhs_spec, cfg.out_spec)
-                  if a not in summed and cfg.mesh.shape[a] > 1)
-  return summed + passing
-
-
-def _gathered_dims_major(cfg: _Static, lhs, rhs):
-  """(cfg, lhs, rhs) with each operand that is gathered before the ring along its last
-  (minor) dimension (an FSDP weight's ``embed``, as in ``mlp.down``'s [mlp, embed] and
-  ``attn.o``'s [heads, head_dim, embed]) transposed so that dimension comes first, the
-  equation's letters with it.
-
-  Gathered along its minor dimension, the TPU compiler's all-gather wrote the weight
-  transposed in memory and the ring's loop then copied it to the other layout
-  (dense_500b: 335 MB a layer and pass; ours 8.239 -> 8.173 s a step, modeled); transposed
-  first, the transpose is the local shard's, before the gather, and the gathered blocks are
-  contiguous. (Moving the dimension a weight gradient's ring slices made no difference:
-  the compiler transposes its operand whole either way.) ``lhs`` and ``rhs`` may be
-  shapes (tuples), moved the same way (the planner's ``_ring_facts``).
-  """
-  eq = Equation.parse(cfg.equation)
-  hoisted = hoisted_specs(eq, cfg.axis, cfg.lhs_spec, cfg.rhs_spec, cfg.out_spec)
-  letters, specs, ops = [eq.lhs, eq.rhs], [cfg.lhs_spec, cfg.rhs_spec], [lhs, rhs]
-  for i, kept in enumerate(hoisted):
-    axes, last = einsum_plan.letter_axes(letters[i], specs[i]), letters[i][-1]
-    if len(letters[i]) > 1 and axes[last] != einsum_plan.letter_axes(letters[i], kept)[last]:
-      letters[i] = last + letters[i][:-1]
-      specs[i] = PartitionSpec(*map(einsum_plan.spec_entry, (axes[l] for l in letters[i])))
-      ops[i] = ((ops[i][-1],) + ops[i][:-1] if isinstance(ops[i], tuple)
-                else jnp.moveaxis(ops[i], -1, 0))
-  if letters == [eq.lhs, eq.rhs]:
-    return cfg, lhs, rhs
-  return (dataclasses.replace(cfg, equation=f'{letters[0]},{letters[1]}->{eq.out}',
-                              lhs_spec=specs[0], rhs_spec=specs[1]), *ops)
-
-
-def _summed_axes(eq: Equation, axis: str, lhs_spec, rhs_spec) -> tuple[str, ...]:
-  """Mesh axes (not ``axis``) sharding one contracted letter in both operands."""
-  lhs = einsum_plan.letter_axes(eq.lhs, lhs_spec)
-  rhs = einsum_plan.letter_axes(eq.rhs, rhs_spec)
-  out = []
-  for letter in eq.lhs:
-    if letter in eq.rhs and letter not in eq.out and lhs[letter] == rhs[letter]:
-      out += [a for a in lhs[letter] if a != axis and a not in out]
-  return tuple(out)
-
-
-def _passing_axes(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec) -> tuple[str, ...]:
-  """Mesh axes (not ``axis``) that shard every letter they touch alike in all three
-  arrays (``einsum_plan``'s ``pass``): no collective, each device computes its block."""
-  maps = [einsum_plan.letter_axes(l, s) for l, s in ((eq.lhs, lhs_spec), (eq.rhs, rhs_spec),
-                                                     (eq.out, out_spec))]
-  axes = sorted({a for m in maps for entry in m.values() for a in entry} - {axis})
-  return tuple(a for a in axes if einsum_plan.classify_axis(eq, a, *maps).kind == 'pass')
-
-
 def _reduction(eq: Equation, summed, out_spec, manual):
   """(dims to psum_scatter {dim: axes}, the shard_map's out spec) for the summed axes.
 
@@ -982,28 +344,6 @@ def _reduction(eq: Equation, summed, out_spec, manual):
     kept = scatter.get(dim) or tuple(a for a in out[letter] if a in manual and a not in summed)
     spec.append(einsum_plan.spec_entry(kept))
   return scatter, PartitionSpec(*spec)
-
-
-def hoisted_specs(eq: Equation, axis: str, lhs_spec, rhs_spec, out_spec):
-  """Operand specs for the ring: other mesh axes kept only where no collective needs them.
-
-  An operand dimension keeps a mesh axis other than the ring's ``axis`` when
-  the output shards that letter over it too, or when the letter is contracted
-  and the other operand shards it the same way (partial sums, reduced after).
-  Any other use (an FSDP weight's ``embed`` over ``fsdp`` against unsharded
-  activations) is dropped, so the operand is gathered once before the ring.
-  """
-  out = einsum_plan.letter_axes(eq.out, out_spec)
-  sides = ((eq.lhs, einsum_plan.letter_axes(eq.lhs, lhs_spec), eq.rhs, rhs_spec),
-           (eq.rhs, einsum_plan.letter_axes(eq.rhs, rhs_spec), eq.lhs, lhs_spec))
-  specs = []
-  for letters, axes, other_letters, other_spec in sides:
-    other = einsum_plan.letter_axes(other_letters, other_spec)
-    keep = lambda l, a: (a == axis or a in out.get(l, ()) or
-                         (l not in eq.out and a in other.get(l, ())))
-    entries = [tuple(a for a in axes[l] if keep(l, a)) for l in letters]
-    specs.append(PartitionSpec(*map(einsum_plan.spec_entry, entries)))
-  return tuple(specs)
 
 
 def _local(r: _Ring, ids, lhs, rhs):
@@ -1044,9 +384,9 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
   other, other_letters = (rhs, eq.rhs) if on_lhs else (lhs, eq.lhs)
   if r.pair_kernel:  # the planner checked that it fits (``_kernel_problem``)
     return _pair_kernel_ring(r, idx, owner, other,
-                             *_kernel_form(eq, z, owner.shape, other.shape)).astype(r.dtype)
+                             *kernel_form(eq, z, owner.shape, other.shape)).astype(r.dtype)
   at = lambda k: ring.ring_position(k, idx, r.n, r.ring_order)  # where block k sits
-  halved = _halved_letter(eq, z, other_letters, other.shape) if r.fused_additions else None
+  halved = halved_letter(eq, z, other_letters, other.shape) if r.fused_additions else None
 
   def partial(*ks, after=None, half=None):  # one einsum for the output blocks ks, joined along z
     piece = jnp.concatenate([jax.lax.dynamic_slice_in_dim(owner, at(k) * block, block, dim)
@@ -1069,26 +409,6 @@ def _reduce_scatter_local(r: _Ring, idx, lhs, rhs):
                                    halves_axis=None if halved is None
                                    else eq.out.index(halved))
   return out.astype(r.dtype)
-
-
-def _kernel_form(eq: Equation, z: str, owner_shape, other_shape):
-  """How ``pair_sums`` runs a weight gradient's reduce-scatter ring, or None: the sliced
-  operand's letters are the contracted ones then ``z`` (minor), the other's the same
-  contracted ones then the output's others. Returns (B, T, D, P, Q, the output's letters
-  in the kernel's order [P..., z, Q], the accumulators' halved dimension: Q's, or P's
-  where Q's halves are not whole lane tiles).
-  """
-  owner, other = (eq.lhs, eq.rhs) if z in eq.lhs else (eq.rhs, eq.lhs)
-  contracted, cols = owner[:-1], other[len(owner) - 1:]
-  if (not contracted or not cols or owner[-1] != z or not other.startswith(contracted)
-      or sorted(eq.out) != sorted(z + cols)):
-    return None
-  p, q = math.prod(other_shape[len(contracted):-1]), other_shape[-1]
-  halved = 2 if q % 256 == 0 else 0 if p % 2 == 0 else None
-  if halved is None:
-    return None
-  b = math.prod(owner_shape[:-2])
-  return b, owner_shape[-2], owner_shape[-1], p, q, cols[:-1] + z + cols[-1], halved
 
 
 def _pair_kernel_ring(r: _Ring, idx, owner, other, b, t, d, p, q, letters, halved):
@@ -1123,14 +443,6 @@ def _pair_kernel_ring(r: _Ring, idx, owner, other, b, t, d, p, q, letters, halve
   sizes = dict(zip(letters, other.shape[c:-1] + (rows, q)))
   out = out.reshape([sizes[l] for l in letters])
   return jnp.transpose(out, [letters.index(l) for l in r.eq.out])
-
-
-def _halved_letter(eq: Equation, z: str, letters: str, shape) -> str | None:
-  """The output dimension along which a reduce-scatter ring's accumulator travels in
-  halves (``ring._in_halves``): the largest of even size that the operand the ring
-  does not slice carries (so each half's einsum reads half of it), or None."""
-  even = [l for l in letters if l in eq.out and l != z and shape[letters.index(l)] % 2 == 0]
-  return max(even, key=lambda l: shape[letters.index(l)], default=None)
 
 
 def _all_gather_local(r: _Ring, idx, lhs, rhs):

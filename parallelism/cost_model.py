@@ -147,10 +147,10 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   """Models ``none``, ``unidirectional`` and ``bidirectional`` for ``plan.axis``.
 
   ``local``: the elements of (lhs, rhs, output) one device holds in the ring
-  (``collective_einsum.local_elements``); by default each global size over all
+  (``decision.local_elements``); by default each global size over all
   devices, which undercounts an output whose partial sums are reduced after the
   ring (a weight gradient's, whole over ``fsdp`` until then). ``flops``: the einsum's
-  FLOPs on one device (``collective_einsum.device_flops``); by default its FLOPs over
+  FLOPs on one device (``decision.device_flops``); by default its FLOPs over
   all devices, which undercounts an einsum that an axis does not split. ``apart_pairs``: a
   bidirectional all-gather ring without partial sums runs an einsum a block.
   """

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from jax.sharding import PartitionSpec
 
 from parallelism import cost_model, moe, schedule
-from parallelism.collective_einsum import Decision
+from parallelism.decision import Decision
 
 VERSION = 1
 NAME = 'plan.json'

@@ -19,7 +19,7 @@ import sys
 from typing import Any, Mapping
 
 from parallelism import cli, einsum_plan, moe, schedule
-from parallelism.collective_einsum import ring_einsums
+from parallelism.decision import ring_einsums
 
 RINGS = ('forward', 'lhs gradient', 'rhs gradient')  # Decision.schedules, in order
 

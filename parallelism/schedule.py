@@ -1,7 +1,7 @@
 """How each ring runs: the schedule the planner chooses and ``run_decision`` follows.
 
 A decomposed einsum has up to three rings (its forward and the two gradients'). Each one's
-``RingSchedule`` is fixed when the layer is planned (``collective_einsum.explain``), kept in
+``RingSchedule`` is fixed when the layer is planned (``decision.explain``), kept in
 its ``Decision`` and shown in the parallelism report; nothing about a ring is decided while
 it is traced. The planner's rule (``choose``):
 
@@ -69,7 +69,7 @@ class RingSchedule:
 
 
 class RingFacts(NamedTuple):
-  """What of a ring decides which settings apply to it (``collective_einsum._ring_facts``)."""
+  """What of a ring decides which settings apply to it (``decision._ring_facts``)."""
   kind: str                 # the AxisPlan kind: allgather_free | allgather_contracting | ...
   bidirectional: bool
   activation_out: bool      # its output is an activation, not a weight's gradient
@@ -85,7 +85,7 @@ def check_prefer(prefer: Mapping[str, Any] | None) -> dict:
   """``prefer`` (field -> value) checked: ValueError naming the first bad key or value."""
   prefer = dict(prefer or {})
   for key, value in prefer.items():
-    if key == 'direction':  # an 'always' layer's rings (collective_einsum.explain)
+    if key == 'direction':  # an 'always' layer's rings (decision.explain)
       if value not in ('unidirectional', 'bidirectional'):
         raise ValueError(f"direction={value!r} is not one of ('unidirectional', "
                          "'bidirectional')")

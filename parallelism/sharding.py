@@ -24,8 +24,8 @@ from models.moe import AT_EXPERTS, DISPATCHED
 from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
 from parallelism import moe, plan_file, schedule
-from parallelism.collective_einsum import (
-    GRADIENT_ACCUMULATORS, RING_DTYPES, explain, ring_order_fits, run_decision)
+from parallelism.collective_einsum import ring_order_fits, run_decision
+from parallelism.decision import GRADIENT_ACCUMULATORS, RING_DTYPES, explain
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -123,7 +123,7 @@ def named(mesh: jax.sharding.Mesh, specs: Any) -> Any:
 # What ``parallelism.layer_overrides`` may ask of a layer: as collective_matmul decides
 # (auto), a ring (always), the compiler's collectives (plain), or auto's decision with the
 # weight gradient free to ring alone beside a forward left to the compiler (gradients:
-# where its reduce-scatter would block the chip; ``collective_einsum._gradients_alone``).
+# where its reduce-scatter would block the chip; ``decision._gradients_alone``).
 LAYER_FORMS = ('auto', 'ring', 'plain', 'gradients')
 COLLECTIVE_MATMUL = ('auto', 'always', 'never')
 
@@ -205,7 +205,7 @@ def parse_overrides(text: str) -> tuple[tuple[str, str], ...]:
 class PlannedLayer(NamedTuple):
   """One layer of a plan: its decision, the PartitionSpecs and operand shapes it was made
   for."""
-  decision: Any   # collective_einsum.Decision, or moe.ExchangeDecision for an MoE exchange
+  decision: Any   # decision.Decision, or moe.ExchangeDecision for an MoE exchange
   specs: tuple    # (lhs, rhs, out); for an exchange (dispatched tokens, expert inputs)
   shapes: tuple = ()  # (lhs, rhs); for an exchange (dispatched tokens,)
 

@@ -30,7 +30,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from parallelism import moe
-from parallelism.collective_einsum import Decision, explain, run_decision
+from parallelism.collective_einsum import run_decision
+from parallelism.decision import Decision, explain
 
 # Each candidate, after its compile and a warm-up call, is timed for at least REPEATS calls
 # and BUDGET seconds (at most MAX_ROUNDS calls); its least time counts.

@@ -84,7 +84,7 @@ def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, 
   # says it pays, which on the CPU profile it never does; here every ring is made to. With
   # the schedule's additions 'kernel' each of their rounds is parallelism/pair_sums.py's
   # kernel (Pallas's interpreter on CPU).
-  module = importlib.import_module('parallelism.collective_einsum')  # not the function
+  module = importlib.import_module('parallelism.decision')
   real = module._estimate
   monkeypatch.setattr(module, '_estimate', lambda *a, **k: dataclasses.replace(
       real(*a, **k), compute_seconds=1.0, comm_seconds=1.0,

@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from parallelism import cost_model, einsum_plan, hlo_text, mesh as mesh_lib, pricing
 from parallelism import ring as ring_lib
-from parallelism.collective_einsum import (_gathered_dims_major, _Static, collective_einsum,
-                                          explain, keeps_cotangent, local_elements,
-                                          ring_order_fits, run_decision, with_schedules)
+from parallelism.collective_einsum import collective_einsum, ring_order_fits, run_decision
+from parallelism.decision import explain, local_elements, with_schedules
+from parallelism.ring_specs import Static, gathered_dims_major, keeps_cotangent
 from parallelism.einsum_plan import Equation
 
 T, D = 'tensor', 'data'
@@ -361,7 +361,7 @@ def test_a_bidirectional_ring_must_gain_a_margin_over_a_unidirectional_one(bi, e
 def test_other_axes_are_gathered_before_the_ring_not_inside_it():
   """An FSDP weight is gathered once before the ring; partial sums keep their sharding."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from parallelism.collective_einsum import hoisted_specs  # pylint: disable=import-outside-toplevel
+  from parallelism.ring_specs import hoisted_specs  # pylint: disable=import-outside-toplevel
   from parallelism.einsum_plan import Equation  # pylint: disable=import-outside-toplevel
   batch = ('data', 'fsdp')
   fwd = hoisted_specs(Equation.parse('btd,df->btf'), 'tensor', P(batch, 'tensor', None),
@@ -825,15 +825,15 @@ def test_operands_gathered_along_their_minor_dim_come_first():
   mesh = _mesh(2, data=1)
   eq, ls, rs, os_ = DOWN
   x, w = jnp.zeros((8, 4, 16)), jnp.zeros((16, 8))
-  cfg = _Static(eq, mesh, ls, rs, os_, T, True, backward_over=(None, (F, 'bidirectional')))
-  moved, _, w_moved = _gathered_dims_major(cfg, x, w)
+  cfg = Static(eq, mesh, ls, rs, os_, T, True, backward_over=(None, (F, 'bidirectional')))
+  moved, _, w_moved = gathered_dims_major(cfg, x, w)
   assert moved.equation == 'btf,df->btd' and moved.rhs_spec == P(F, T)
   assert w_moved.shape == (8, 16)
   grad = cfg.transposed('rhs')
-  assert _gathered_dims_major(grad, x, jnp.zeros((8, 4, 8)))[0] is grad
+  assert gathered_dims_major(grad, x, jnp.zeros((8, 4, 8)))[0] is grad
   eq, ls, rs, os_, _ = PATTERNS[0]
-  cfg = _Static(eq, mesh, ls, rs, os_, T, True)
-  assert _gathered_dims_major(cfg, x, w)[0] is cfg
+  cfg = Static(eq, mesh, ls, rs, os_, T, True)
+  assert gathered_dims_major(cfg, x, w)[0] is cfg
 
 
 @pytest.mark.parametrize('rhs_form,gathers', [(('ring', ('fsdp', 'bidirectional')), 1),

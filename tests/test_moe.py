@@ -81,7 +81,7 @@ def test_expert_parallel_equals_single_device(devices, sizes, rules, policy, chu
     np.testing.assert_allclose(aux[k], ref_aux[k], rtol=1e-5, atol=1e-6)
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
-  decision, _ = plan['moe.exchange']
+  decision = plan['moe.exchange'].decision
   sliced = rules is SLOT_RULES  # chunks of slots split over tensor would span devices
   assert (decision.mode, decision.chunks) == (('single', 1) if policy == 'never' or sliced
                                               else ('chunked', chunks))

@@ -22,7 +22,8 @@ from jax.experimental import topologies  # pylint: disable=wrong-import-position
 from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=wrong-import-position
 
 from parallelism import hardware, mesh as mesh_lib, report  # pylint: disable=wrong-import-position
-from parallelism.collective_einsum import explain, run_decision  # pylint: disable=wrong-import-position
+from parallelism.collective_einsum import run_decision  # pylint: disable=wrong-import-position
+from parallelism.decision import explain  # pylint: disable=wrong-import-position
 
 
 # A small slice of each TPU chip in parallelism/hardware.py's table.
