@@ -15,7 +15,9 @@ import dataclasses
 import math
 from typing import Any, Mapping, NamedTuple
 
-from parallelism import cost_model, einsum_plan, schedule
+import jax.numpy as jnp
+
+from parallelism import cost_model, einsum_plan, pair_sums, schedule
 from parallelism import hardware as hw
 from parallelism.einsum_plan import AxisPlan, Equation
 from parallelism.ring_specs import (
@@ -116,7 +118,8 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
                      mode, hardware, ring_dtype, gradient_accumulators, gradient_rings,
                      pairs or ('apart' if overlapped else 'joined'), overlapped)
   return with_schedules(decision, lhs_shape, rhs_shape, mesh=mesh, lhs_spec=lhs_spec,
-                        rhs_spec=rhs_spec, out_spec=out_spec, hardware=hardware, prefer=prefer)
+                        rhs_spec=rhs_spec, out_spec=out_spec, hardware=hardware, prefer=prefer,
+                        dtype=dtype)
 
 
 def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardware, ring_dtype,
@@ -200,16 +203,19 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
 
 
 def with_schedules(decision: Decision, lhs_shape, rhs_shape, *, mesh, lhs_spec, rhs_spec,
-                   out_spec, hardware=None, prefer: Mapping[str, Any] | None = None) -> Decision:
+                   out_spec, hardware=None, prefer: Mapping[str, Any] | None = None,
+                   dtype=jnp.float32) -> Decision:
   """``decision`` (``explain``'s, perhaps with its forms changed) with its rings' schedules
-  chosen anew for them: the planner's, each field of ``prefer`` instead where it applies."""
+  chosen anew for them: the planner's, each field of ``prefer`` instead where it applies
+  (``dtype``: the operands', which decides what fits a kernel's VMEM)."""
   profile = hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
       hardware or cost_model.DEFAULT_HARDWARE)
   return _scheduled(decision, (lhs_shape, rhs_shape), (lhs_spec, rhs_spec, out_spec), mesh,
-                    profile, schedule.check_prefer(prefer))
+                    profile, schedule.check_prefer(prefer), jnp.dtype(dtype).itemsize)
 
 
-def _scheduled(decision: Decision, shapes, specs, mesh, profile, prefer) -> Decision:
+def _scheduled(decision: Decision, shapes, specs, mesh, profile, prefer,
+               itemsize: int) -> Decision:
   """``decision`` with the schedule of each ring it runs (``schedule.choose``)."""
   if not decision.decomposed:
     return decision
@@ -222,7 +228,7 @@ def _scheduled(decision: Decision, shapes, specs, mesh, profile, prefer) -> Deci
            (cfg.transposed('rhs'), (shapes[0], out_shape), decision.backward[1] == 'ring'))
   gather = gather_first_spec(cfg) is not None
   schedules = tuple(
-      schedule.choose(_ring_facts(c, s, i, gather and i == 2, profile.platform),
+      schedule.choose(_ring_facts(c, s, i, gather and i == 2, profile.platform, itemsize),
                       profile.async_collectives, prefer)
       if runs and _is_ring(c) else None for i, (c, s, runs) in enumerate(rings))
   return dataclasses.replace(decision, schedules=schedules)
@@ -246,8 +252,8 @@ def _is_ring(cfg: Static) -> bool:
   return any(p.axis == cfg.axis and p.kind in DECOMPOSABLE for p in plans)
 
 
-def _ring_facts(cfg: Static, shapes, index: int, gather: bool,
-                platform: str) -> schedule.RingFacts:
+def _ring_facts(cfg: Static, shapes, index: int, gather: bool, platform: str,
+                itemsize: int) -> schedule.RingFacts:
   """What decides which schedule settings apply to the ring ``cfg`` runs on operands of
   ``shapes`` (ring ``index``: 0 the forward's, 1 and 2 the gradients')."""
   cfg, *shapes = gathered_dims_major(cfg, *shapes)
@@ -261,16 +267,17 @@ def _ring_facts(cfg: Static, shapes, index: int, gather: bool,
     (owner, other), other_letters = ((local, eq.rhs) if z in eq.lhs else
                                      (local[::-1], eq.lhs))
     fused_fits = halved_letter(eq, z, other_letters, other) is not None
-    problem = _kernel_problem(cfg, eq, z, manual, owner, other)
+    problem = _kernel_problem(cfg, eq, z, manual, owner, other, itemsize)
   return schedule.RingFacts(plan.kind, cfg.bidirectional, cfg.activation_out, index == 0,
                             fused_fits, problem, gather, platform, cfg.mesh.shape[cfg.axis])
 
 
 def _kernel_problem(cfg: Static, eq: Equation, z: str, manual, owner_shape,
-                    other_shape) -> str:
+                    other_shape, itemsize: int) -> str:
   """Why the pair kernel (``_pair_kernel_ring``) cannot run a reduce-scatter ring ('' where
   it can): an even two-way weight-gradient ring whose shard_map holds every mesh axis of
-  size > 1 manual (a Mosaic kernel needs all of them manual), in ``kernel_form``'s shapes."""
+  size > 1 manual (a Mosaic kernel needs all of them manual), in ``kernel_form``'s shapes,
+  whose blocks of rows fit the kernel's VMEM (``pair_sums.vmem_problem``)."""
   n = cfg.mesh.shape[cfg.axis]
   others = [a for a in cfg.mesh.axis_names if a not in manual and cfg.mesh.shape[a] > 1]
   if cfg.activation_out:
@@ -279,9 +286,11 @@ def _kernel_problem(cfg: Static, eq: Equation, z: str, manual, owner_shape,
     return 'not an even two-way ring'
   if others:
     return f'mesh axis {others[0]} is not manual in its shard_map'
-  if kernel_form(eq, z, owner_shape, other_shape) is None:
+  form = kernel_form(eq, z, owner_shape, other_shape)
+  if form is None:
     return "its operands are not [contracted..., sliced] and [contracted..., output's]"
-  return ''
+  return pair_sums.vmem_problem(*form[:5], n, form[6], itemsize,
+                                4 if cfg.wire_fp32 else itemsize)
 
 
 def _local_shape(shape, spec, manual, mesh) -> tuple[int, ...]:

@@ -78,6 +78,20 @@ def _blocks(p: int, q: int, rows: int, tt: int, itemsize: int,
   return max(fits, key=lambda f: (cores(f), f[0] * f[1], f[0]))
 
 
+def vmem_problem(b: int, t: int, d: int, p: int, q: int, n: int, halved: int, itemsize: int,
+                 wire_itemsize: int) -> str:
+  """Why ``pair_sums`` cannot run a ring of ``n`` over these operands (``kernel_form``'s
+  B, T, D, P, Q and halved dimension), '' where it can: no blocks of its rows fit
+  ``VMEM_BUDGET`` (decided when the ring is planned, not when it is traced)."""
+  del b  # the grid's sum: any number of steps
+  p_acc, q_acc = (p // 2, q) if halved == 0 else (p, q // 2)
+  try:
+    _blocks(p_acc, q_acc, d // n, _tile(t, 512, 128), itemsize, wire_itemsize)
+  except ValueError as e:
+    return str(e).removeprefix('pair_sums: ')
+  return ''
+
+
 def cost(xt_shape, acc_shape, itemsize: int, wire_itemsize: int,
          blocks: tuple[int, int]) -> tuple[float, float]:
   """(FLOPs, HBM bytes) of one call: two ``[P', rows, Q']`` products over ``B x T``;

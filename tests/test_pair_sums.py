@@ -81,3 +81,13 @@ def test_the_grid_has_a_parallel_axis_of_two_wherever_the_shapes_allow(p, q, by_
   grid = hlo_text.mosaic_grid(re.search(r'body\\22: \\22([A-Za-z0-9+/=]+)', text).group(1))
   assert grid.bounds == parallel + (2, 2) and grid.parallel == (True, True, False, False)
   assert kernels.cores_used(grid, 2) == (2 if max(parallel) > 1 else 1)
+
+
+def test_the_planner_knows_where_the_kernels_blocks_do_not_fit_vmem():
+  # decided when the ring is planned (decision._kernel_problem), not when it is traced: a
+  # ring whose columns have no 128-wide tile and whose whole rows overflow VMEM runs no
+  # kernel, with the reason in its schedule
+  assert pair_sums.vmem_problem(8, 512, 1024, 2, 1024, 8, 2, 2, 2) == ''
+  problem = pair_sums.vmem_problem(8, 512, 1024, 2, 3000, 8, 0, 2, 2)
+  assert problem == ('blocks of 128 rows and 512 tokens do not fit '
+                     f'{pair_sums.VMEM_BUDGET} bytes of VMEM')
