@@ -41,7 +41,7 @@ parallelism/hardware.py), as a user would train:
 
 ``--search`` sweeps layouts for the slice (mesh sizes, tokens per chip, remat) and
 ``--refine`` the program settings the search does not, at the config's layout
-(``model.scan_unroll``, ``model.cast_in_loop``):
+(``model.scan_unroll``, ``model.cast_in_loop``, ``parallelism.gradient_accumulators``):
 each prints one table and the best per variant (launch/search.py).
 
 Bad input (config, override, topology, mesh that does not match the chip count,
@@ -75,7 +75,7 @@ from parallelism.ring import ADDITIONS_SCOPE, RING_SCOPE
 from trainer import config as config_lib, loop, metrics, validation
 from trainer.config import Config, ConfigError
 from trainer.hints import install_hint
-from trainer.state import abstract_model, fitting, model_for_mesh
+from trainer.state import abstract_model, model_for_mesh
 
 GIB = 2 ** 30
 WINDOWED_EINSUM_OFF = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
@@ -145,8 +145,8 @@ def parse_args(argv):
   parser.add_argument('--refine', action='store_true',
                       help="compile the config's layout under each combination of the "
                            'program settings --search does not sweep (model.scan_unroll, '
-                           'model.cast_in_loop) and name the best per variant '
-                           '(launch/search.py)')
+                           'model.cast_in_loop, parallelism.gradient_accumulators) and name '
+                           'the best per variant (launch/search.py)')
   parser.add_argument('--schedule', default='',
                       help='ring schedule settings as JSON that every ring of ours takes where '
                            "they apply, instead of the planner's (parallelism/schedule.py), "
@@ -249,11 +249,16 @@ def worker(args, overrides) -> int:
     _write(args.out, out | {'error': str(e).splitlines()[0], 'input_error': True})
     return 0
   start = time.perf_counter()
-  compiled, program = _compiled(cfg, mesh, rules, model, program, out)
+  lowered = program.train_step.lower(program.abstract_state,
+                                     program.abstract_batch(cfg.batch_size, cfg.seq_len))
   out['layers'] = report.rows(program.ops.plan)
   out['planned_kernels'] = report.kernel_rings(program.ops.plan)
-  if isinstance(compiled, Exception):
-    message = ' '.join(str(compiled).split())
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except
+    if 'RESOURCE_EXHAUSTED' not in str(e) and 'memory' not in str(e).lower():
+      raise
+    message = ' '.join(str(e).split())
     usable = re.search(r'available HBM \(([\d.]+)G\)', message)  # the compiler's own figure
     out['compile_seconds'] = time.perf_counter() - start
     out['memory'] = {'fits': False, 'compiler_message': message[:2000],
@@ -287,30 +292,6 @@ def worker(args, overrides) -> int:
   return 0
 
 
-def _compiled(cfg, mesh, rules, model, program, out: dict):
-  """(the compiled step, or the compiler's out-of-memory error, and its program): where the
-  planned step does not fit the chip, planned again with sharded weight-gradient
-  accumulators and compiled again (``state.fitting``, as a training run does), saying so in
-  ``out['memory_plan']``."""
-  def compile_(p):
-    try:
-      return p.train_step.lower(p.abstract_state,
-                                p.abstract_batch(cfg.batch_size, cfg.seq_len)).compile()
-    except Exception as e:  # pylint: disable=broad-except
-      if 'RESOURCE_EXHAUSTED' not in str(e) and 'memory' not in str(e).lower():
-        raise
-      return e
-  compiled = compile_(program)
-  needs = None if isinstance(compiled, Exception) else loop.compiled_bytes(
-      compiled.memory_analysis())
-  again = fitting(cfg, mesh, rules, model, needs, log=lambda line: out.setdefault(
-      'memory_plan', line))
-  if again is None:
-    return compiled, program
-  program = loop.build(cfg, again, mesh, rules)
-  return compile_(program), program
-
-
 def band(module, chip: step_model.Chip, coords) -> list[dict]:
   """The program modeled under each of ``step_model.band_chips``: its setting and times."""
   rows = []
@@ -333,7 +314,7 @@ def memory(stats, usable: float) -> dict:
   m = {'arguments': stats.argument_size_in_bytes, 'outputs': stats.output_size_in_bytes,
        'temporaries': stats.temp_size_in_bytes, 'aliased': stats.alias_size_in_bytes,
        'generated_code': stats.generated_code_size_in_bytes}
-  m['total'] = loop.compiled_bytes(stats)
+  m['total'] = m['arguments'] + m['outputs'] + m['temporaries'] - m['aliased']
   return m | {'usable_bytes': usable, 'fits': m['total'] <= usable}
 
 

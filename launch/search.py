@@ -54,7 +54,7 @@ estimate / compiled): 500B fsdp=128 x tensor=8 at 256 sequences, ``save_dot_exce
 usable 30.75 but within the margin, so the search keeps that layout (before the margin it
 skipped it, though it fits). The grid does not sweep what ``configs/dense_500b.py`` adds to that
 ``minimal`` layout (two layers a scan iteration, the casts in the scan,
-weight-gradient accumulators sharded: 30.74 compiled, 8.017 s); ``--refine``
+``parallelism.gradient_accumulators='sharded'``: 30.74 compiled, 8.017 s); ``--refine``
 (``refine``) compiles a layout under every combination of those settings and finds them
 best for every variant there. Before the layers' gradients stayed bf16 (2 bytes a layer parameter
 less, estimated and compiled): 500B 29.8 / 29.54 and 32.2 / 31.3; 64B data=8 x fsdp=64 at
@@ -112,10 +112,12 @@ class Knobs:
   """Program settings ``--refine`` sweeps at one layout (the grid above does not)."""
   scan_unroll: int
   cast_in_loop: bool
+  gradient_accumulators: str
 
   @property
   def changes(self) -> dict:
-    return {'model.scan_unroll': self.scan_unroll, 'model.cast_in_loop': self.cast_in_loop}
+    return {'model.scan_unroll': self.scan_unroll, 'model.cast_in_loop': self.cast_in_loop,
+            'parallelism.gradient_accumulators': self.gradient_accumulators}
 
   @property
   def overrides(self) -> list[str]:
@@ -127,12 +129,13 @@ class Knobs:
 
 def knob_grid(cfg, variants) -> list[Knobs]:
   """Every combination ``--refine`` tries: one or two layers per scan iteration (with
-  ``model.scan_layers``) and the weights' casts outside or inside the scan. (Whether weight
-  gradients' accumulators are sharded is no setting: the compiled step's memory decides,
-  trainer/state.py's ``fitting``.)"""
-  del variants  # every variant compiles every combination
+  ``model.scan_layers``), the weights' casts outside or inside the scan, and,
+  where ``ours`` is compiled, both weight-gradient accumulator settings (the baseline's
+  and xla's programs have no rings: the setting leaves them unchanged)."""
   unrolls = [1, 2] if cfg.model.scan_layers else [1]
-  return [Knobs(*k) for k in itertools.product(unrolls, (False, True))]
+  accumulators = (['any', 'sharded'] if 'ours' in variants
+                  else [cfg.parallelism.gradient_accumulators])
+  return [Knobs(*k) for k in itertools.product(unrolls, (False, True), accumulators)]
 
 
 def grid(cfg, chips: int) -> list[Layout]:
@@ -343,9 +346,12 @@ def refine(cfg, variants, compile_layout) -> int:
            f'{len(variants)} variant(s) each')
   rows, compiles, start = [], 0, time.perf_counter()
   for i, knobs in enumerate(chosen):
-    progress(f'[{i + 1}/{len(chosen)}] {knobs} ({", ".join(variants)})')
-    rows.append((knobs, None, None, compile_layout(knobs.overrides, variants)))
-    compiles += len(variants)
+    # The accumulators change only ours' program: the others are compiled at the first.
+    only = (variants if knobs.gradient_accumulators == grid_[0].gradient_accumulators
+            else ['ours'])
+    progress(f'[{i + 1}/{len(chosen)}] {knobs} ({", ".join(only)})')
+    rows.append((knobs, None, None, compile_layout(knobs.overrides, only)))
+    compiles += len(only)
   progress(f'compiled {len(chosen)} setting(s), {compiles} program(s), in '
            f'{time.perf_counter() - start:.0f} s')
   print(table(rows, variants, what='setting'))

@@ -136,8 +136,7 @@ class MatmulPolicy:
   collective_matmul: str = 'auto'       # auto | always | never
   hardware: str = 'cpu'                 # profile the cost model and the schedule use
   ring_dtype: str = 'compute'           # rings' partial sums (wire, between steps): compute | float32
-  # any | sharded (no gradient ring holding it whole over fsdp): trainer/state.py's fitting
-  gradient_accumulators: str = 'any'
+  gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
   layer_overrides: tuple[tuple[str, str], ...] = ()  # (layer path pattern, LAYER_FORMS)
   prefer: tuple[tuple[str, Any], ...] = ()  # schedule fields for every ring (schedule.py)
 
@@ -145,8 +144,8 @@ class MatmulPolicy:
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
-    return cls(p.collective_matmul, cfg.hardware.name, p.ring_dtype,
-               layer_overrides=parse_overrides(p.layer_overrides))
+    return cls(p.collective_matmul, cfg.hardware.name, p.ring_dtype, p.gradient_accumulators,
+               parse_overrides(p.layer_overrides))
 
   def validate(self) -> None:
     choices = {'collective_matmul': COLLECTIVE_MATMUL, 'ring_dtype': RING_DTYPES,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from parallelism import hardware, hlo_text, pair_sums, plan_file, report, sharding
+from parallelism import hlo_text, pair_sums, report, sharding
 from tests.test_cli import DEFAULT, TINY
 from trainer import loop, state, step, train
 
@@ -111,41 +111,6 @@ def test_weight_gradient_rings_beside_plain_forwards_train_like_never(tmp_path, 
       'lhs': 'none', 'rhs': 'bidirectional over fsdp'}}
   assert {f'blocks.*.{n}' for n in ('attn.q', 'attn.o', 'mlp.gate', 'mlp.down')} <= rings, rows
   assert bool(kernels) == (additions == 'kernel'), kernels
-
-
-def test_a_step_over_the_chips_memory_is_planned_again_with_sharded_accumulators(
-    tmp_path, monkeypatch, capsys):
-  # fsdp=2 x tensor=4, every ring made to pay: each weight gradient rings over tensor,
-  # holding its gradient whole over fsdp. On a chip too small for that step (the CPU
-  # profile given 1 byte of HBM) the run plans again with no such ring, says so, and trains
-  # as the compiler's own reduce-scatters would.
-  module = importlib.import_module('parallelism.decision')
-  real = module._estimate
-  monkeypatch.setattr(module, '_estimate', lambda *a, **k: dataclasses.replace(
-      real(*a, **k), compute_seconds=1.0, comm_seconds=1.0,
-      seconds={'none': 2.0, 'unidirectional': 1.5, 'bidirectional': 1.1}))
-  common = ['--config.steps=3', '--config.log_every=1', '--config.eval_every=0',
-            '--config.mesh.data=1', '--config.mesh.fsdp=2', '--config.mesh.tensor=4',
-            '--config.parallelism.collective_matmul=auto']
-  whole = lambda plan: sorted(p for p, l in plan.items() if 'ring' in l.decision.backward and
-                              l.decision.backward_over[1] is None and l.decision.axis == 'tensor')
-  roomy = _run(tmp_path / 'roomy', *common)
-  assert whole(roomy.model.ops.plan), 'no weight gradient rings over tensor: nothing to plan'
-  loop.train(roomy)
-  capsys.readouterr()
-  monkeypatch.setitem(hardware.PROFILES, 'cpu', dataclasses.replace(
-      hardware.PROFILES['cpu'], usable_hbm_bytes=1.0))
-  tight = _run(tmp_path / 'tight', *common)
-  loop.train(tight)
-  out = capsys.readouterr().out
-  assert re.search(r'memory: the step needs [\d.]+ GiB of 0.00 GiB a chip with weight-gradient '
-                   r'accumulators whole over fsdp; planned again with them sharded \(\d+ '
-                   r'layer\(s\) changed\)', out), out
-  saved = plan_file.read(str(tmp_path / 'tight' / 'plan.json'))['layers']  # the plan it ran
-  assert not whole(tight.model.ops.plan) and not whole(saved)
-  assert saved.keys() == tight.model.ops.plan.keys()
-  np.testing.assert_allclose(_losses(tmp_path / 'tight'), _losses(tmp_path / 'roomy'),
-                             rtol=1e-4)
 
 
 def test_layer_overrides_name_layers_by_their_report_paths(tmp_path):

@@ -18,7 +18,7 @@ from parallelism import hardware, mesh as mesh_lib, plan_file, report, sharding
 from trainer import checkpoint, compression, data, metrics as metrics_lib, optim, pipeline
 from trainer import profiling, runtime, tokenizer as tokenizer_lib
 from trainer.config import Config
-from trainer.state import AbstractModel, fitting, with_shardings
+from trainer.state import AbstractModel, with_shardings
 from trainer.step import TrainState, make_eval_step, make_train_step
 
 
@@ -107,38 +107,6 @@ def setup(run, checkpointer: checkpoint.Checkpointer | None = None) -> Setup:
                p.schedule, p.ops, p.graphdef, p.abstract_params, reference)
 
 
-def _compile(run, s: Setup, log):
-  """The train step compiled, and ``s``; where it does not fit the chip's HBM, planned again
-  with sharded weight-gradient accumulators (``state.fitting``) and compiled again, with
-  ``s`` holding that plan (the parameters' shardings are the same)."""
-  batch = s.get_batch(s.start_step)
-  if not hardware.get_profile(run.cfg.hardware.name).usable_hbm_bytes:  # the CPU: no limit
-    return s.train_step.lower(s.state, batch).compile(), s
-  try:
-    compiled = s.train_step.lower(s.state, batch).compile()
-    needs = compiled_bytes(compiled.memory_analysis())
-  except Exception as e:  # pylint: disable=broad-except
-    if 'RESOURCE_EXHAUSTED' not in str(e):
-      raise
-    model = fitting(run.cfg, run.mesh, run.rules, run.model, None, log)
-    if model is None:
-      raise
-  else:
-    model = fitting(run.cfg, run.mesh, run.rules, run.model, needs, log)
-    if model is None:
-      return compiled, s
-  run.model = model
-  p = build(run.cfg, model, run.mesh, run.rules)
-  s = dataclasses.replace(s, train_step=p.train_step, ops=p.ops, graphdef=p.graphdef)
-  return s.train_step.lower(s.state, batch).compile(), s
-
-
-def compiled_bytes(stats) -> float:
-  """A compiled program's bytes a chip: arguments + outputs + temporaries - aliased."""
-  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-
-
 def _initial_state(run, checkpointer, p: Program):
   """(state, step): resumed from the run's checkpoints, else fresh (params maybe loaded)."""
   log = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -179,7 +147,7 @@ def train(run) -> dict:
   try:
     s = setup(run, ckpt)
     clock.lap('setup')
-    train_step, s = _compile(run, s, log)
+    train_step = s.train_step.lower(s.state, s.get_batch(s.start_step)).compile()
     compile_s = clock.lap('compile')
     profiling.dump_hlo(cfg.profile, run.workdir, train_step, log)
     flops_tok, peak, layer_rows = _announce(run, s, compile_s, log)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.ops import Ops
 from models.transformer import Transformer, TransformerConfig
-from parallelism import hardware, sharding, tune
+from parallelism import sharding, tune
 from trainer import validation
 from trainer.config import Config
 
@@ -60,20 +60,17 @@ def with_shardings(abstract: Any, rules: sharding.Rules, mesh: jax.sharding.Mesh
 
 def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules,
                    saved: dict | None = None, prefer: dict | None = None,
-                   log=print, accumulators: str = 'any') -> AbstractModel:
+                   log=print) -> AbstractModel:
   """The run's model with the ops that shard it over ``mesh``: the layer plan
   (``parallelism.*`` decides which dense layers run as collective einsums), made
   for the microbatch the train step traces, or ``saved``'s (``plan_file.read``); ``prefer``:
-  ring schedule settings every ring takes where they apply (``launch.aot --schedule``);
-  ``accumulators``: whether a weight gradient's ring may hold it whole over fsdp ('any') or
-  not ('sharded': ``fitting``)."""
+  ring schedule settings every ring takes where they apply (``launch.aot --schedule``)."""
   model_cfg = cfg.transformer()
   # Planning traces the sharded model: first refuse, naming it, a dimension the mesh
   # does not divide (the batch, MoE capacity, parameters; shapes only).
   validation.check_layout(cfg, mesh.shape, abstract_model(model_cfg, cfg.seed).params)
   micro_bt = (cfg.batch_size // cfg.optimizer.grad_accum_steps, cfg.seq_len)
-  policy = dataclasses.replace(sharding.MatmulPolicy.from_config(cfg),
-                               gradient_accumulators=accumulators)
+  policy = sharding.MatmulPolicy.from_config(cfg)
   if prefer:
     policy = dataclasses.replace(policy, prefer=tuple(prefer.items()))
   measure = cfg.parallelism.tune == 'measure' or (
@@ -84,33 +81,3 @@ def model_for_mesh(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules,
                              micro_bt, mesh=mesh, rules=rules, policy=policy, saved=saved,
                              tune=tune_fn)
   return abstract_model(model_cfg, cfg.seed, ops)
-
-
-def fitting(cfg: Config, mesh: jax.sharding.Mesh, rules: sharding.Rules, model: AbstractModel,
-            needs: float | None, log=print) -> AbstractModel | None:
-  """Memory planning: the model planned again for a step that does not fit the chip's
-  usable HBM as ``model`` plans it (``needs``: its compiled bytes a chip; None where the
-  compiler ran out), with no weight-gradient ring holding its gradient whole over fsdp
-  (each one's accumulator is then sharded, its ring over fsdp or the compiler's
-  reduce-scatter; decision.GRADIENT_ACCUMULATORS). None where the step fits, a plan file
-  fixes the plan, or that changes no layer.
-
-  The compiler's verdict decides, not an estimate: the layout estimate (launch/search.py)
-  is off by as much as the margin the choice turns on (dense_64b: 27.76 GiB estimated,
-  29.19 compiled, of 30.75). Sharded everywhere would cost dense_64b 4.3% (modeled).
-  """
-  usable = hardware.get_profile(cfg.hardware.name).usable_hbm_bytes
-  if not usable or (needs is not None and needs <= usable) or cfg.parallelism.plan:
-    return None
-  again = model_for_mesh(cfg, mesh, rules, log=log, accumulators='sharded')
-  form = lambda d: (d.mode, d.axis, getattr(d, 'backward', None),
-                    getattr(d, 'backward_over', None))
-  changed = [p for p, l in again.ops.plan.items()
-             if form(l.decision) != form(model.ops.plan[p].decision)]
-  if not changed:
-    return None
-  need = 'more than the compiler had' if needs is None else f'{needs / 2**30:.2f} GiB'
-  log(f'memory: the step needs {need} of {usable / 2**30:.2f} GiB a chip with weight-gradient '
-      f'accumulators whole over fsdp; planned again with them sharded ({len(changed)} '
-      'layer(s) changed)')
-  return again
