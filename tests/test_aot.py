@@ -197,10 +197,13 @@ def test_small_config_compiles_for_v4_with_overlapped_decomposed_einsums():
   # Compute by term: ours' rings are named, the baseline has none; the terms sum to compute.
   terms = {n: s['modeled'][n]['compute_terms'] for n in ('baseline', 'ours')}
   assert terms['ours']['ring: matmul at MXU rate'] > 0
-  # o's and down's reduce-scatter rings add partial sums, named apart from other ring work
-  assert terms['ours']['ring: partial-sum additions'] > 0
+  # the reduce-scatter rings' additions of partial sums, named apart from other ring work
+  # where they are a pass of their own (test_additions_by_ring_split...); the planner fuses
+  # o's and down's into their einsums here, so they cost no pass
+  adds = terms['ours'].get('ring: partial-sum additions', 0.0)
   by_ring = s['modeled']['ours']['additions_by_ring']
-  assert sum(by_ring.values()) == pytest.approx(terms['ours']['ring: partial-sum additions'])
+  assert sum(by_ring.values()) == pytest.approx(adds) and adds < 0.01 * s['modeled']['ours'][
+      'compute_seconds']
   assert s['modeled']['baseline']['additions_by_ring'] == {}
   assert not any(t.startswith('ring:') and v for t, v in terms['baseline'].items())
   for name in ('baseline', 'ours'):
