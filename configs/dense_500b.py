@@ -35,7 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = 128
   c.mesh.tensor = 8                # each ring step's einsum wide enough to hide its transfer
-  c.parallelism.gradient_accumulators = 'sharded'  # 'any' does not fit in v4's memory
+  c.parallelism.gradient_accumulators = 'sharded'  # faster here (docs/parallelism.md)
   # The chip's flags, then XLA's pipelining of a scanned layer's all-gathers and
   # reduce-scatters over ICI into the iteration before (after), as MaxText's recipes.
   c.hardware.xla_flags = ('default --xla_tpu_enable_ici_ag_pipelining=true '
