@@ -76,6 +76,21 @@ def test_a_plan_for_another_model_or_mesh_is_refused_in_one_line(trained, tmp_pa
   assert message in str(e.value) and '\n' not in str(e.value), e.value
 
 
+def test_a_resume_on_another_mesh_plans_anew_and_says_why(trained, tmp_path, capsys):
+  # the checkpoint moves to another mesh; its workdir's plan, made for the old one, does not
+  workdir, _ = trained
+  moved = tmp_path / 'moved'
+  moved.mkdir()
+  for name in ('plan.json', 'checkpoints'):
+    os.symlink(workdir / name, moved / name)
+  capsys.readouterr()
+  resumed = _prepare(moved, '--config.steps=4', '--config.mesh.data=2',
+                     '--config.mesh.tensor=4')
+  assert resumed.resume_step == 2
+  assert f'plan: {moved / "plan.json"} does not fit this run (the plan is for mesh ' in (
+      capsys.readouterr().out)
+
+
 def test_a_file_that_is_no_plan_is_refused_in_one_line(tmp_path):
   bad = tmp_path / 'bad.json'
   bad.write_text('{"version": 1, "mesh": {}}')

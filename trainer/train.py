@@ -103,12 +103,29 @@ def _prepare(cfg: Config, workdir: str) -> Run:
                                      profile.platform)
   mesh = mesh_lib.make_mesh(cfg.mesh.sizes())
   rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
-  model = model_for_mesh(cfg, mesh, rules, _saved_plan(cfg, workdir))  # checks the layout first
+  model = _planned(cfg, workdir, mesh, rules)
   corpus = data.load(cfg.data, model.cfg.vocab_size, cfg.seed)
   data.check_lengths(corpus, cfg.seq_len, cfg.batch_size, cfg.eval_steps)
   run = Run(cfg, workdir, mesh, rules, model, corpus)
   run.resume_step = _check_checkpoints(run)
   return run
+
+
+def _planned(cfg: Config, workdir: str, mesh, rules) -> AbstractModel:
+  """The run's model (``model_for_mesh``, which checks the layout first) with the plan it
+  runs: ``parallelism.plan``'s, refused where it does not match; a resume's workdir plan.json
+  where it matches, else a new plan (resuming on another mesh; another model is refused by
+  the checkpoint check, naming the setting that differs)."""
+  saved = _saved_plan(cfg, workdir)
+  try:
+    return model_for_mesh(cfg, mesh, rules, saved)
+  except plan_file.PlanMismatch as e:
+    if cfg.parallelism.plan:
+      raise
+    if jax.process_index() == 0:
+      print(f'plan: {os.path.join(workdir, plan_file.NAME)} does not fit this run ({e}); '
+            'planning anew')
+    return model_for_mesh(cfg, mesh, rules)
 
 
 def _saved_plan(cfg: Config, workdir: str) -> dict | None:
