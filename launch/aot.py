@@ -2,6 +2,7 @@ r"""Compiles the real train step for a TPU slice ahead of time, on this CPU mach
 
   python -m launch.aot --config configs/dense_500b.py [--topology v4:8x8x16] \
       [--variants baseline,xla,ours] [--json] [--hlo_dir DIR] [--config.a.b=value ...]
+  python -m launch.aot --config configs/dense_500b.py --tune [--plan_out plan.json]
 
 Needs the ``tpu`` extra (``.venv/bin/python -m pip install -c constraints.txt -e
 '.[tpu]'``: libtpu, the TPU compiler, which runs on CPU). For each variant, in its
@@ -43,6 +44,18 @@ parallelism/hardware.py), as a user would train:
 ``--refine`` the program settings the search does not, at the config's layout
 (``model.scan_unroll``, ``model.cast_in_loop``, ``parallelism.gradient_accumulators``):
 each prints one table and the best per variant (launch/search.py).
+
+``--tune [--max_compiles N] [--plan_out PATH]`` tunes ours' ring schedules at the config's
+layout (``search.tune``): one worker plans ours under the planner's schedules (``{}``) and
+under each one-field change of them (each value of ``schedule.CHOICES``, ``unroll`` 1, 2 and
+the longest ring's steps), as ``--schedule`` sets them; candidates whose plans would compile
+the same are dropped, the first N distinct ones compiled (default 6; the rest named), each a
+progress line (modeled step, fit). It prints a table and writes the plan of the fastest
+modeled program that fits to PATH (default ``./plan.json``, through a temporary file), with
+the command that trains with it (``python -m trainer.train --config ...
+--config.parallelism.plan=PATH``); ``launch.aot --variants ours
+--config.parallelism.plan=PATH`` compiles that plan again. Ours only; not with ``--search``
+yet, ``--refine``, ``--schedule``, ``--hlo_dir`` or a ``parallelism.plan`` (exit 2).
 
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,

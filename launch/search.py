@@ -414,8 +414,10 @@ def tune(mesh_shape: dict, max_compiles: int, plan_all, compile_one, write_plan,
   chosen, left = distinct[:max_compiles], distinct[max_compiles:]
   not_compiled = (f'not compiled (--max_compiles {max_compiles}): '
                   + ', '.join(schedule_label(p) for p, _ in left)) if left else ''
-  progress(f'{len(distinct)} distinct plans; compiling {len(chosen)}'
-           + (f'; {not_compiled}' if left else ''))
+  progress(f'{len(distinct)} distinct plan(s); compiling {len(chosen)}'
+           + (f'; {not_compiled}' if left else '')
+           + ('' if len(distinct) > 1 else ' (every candidate plans the same: it runs no '
+                                           'ring, nothing to tune)'))
   rows, start = [], time.perf_counter()
   for i, (prefer, _) in enumerate(chosen):
     label, began = schedule_label(prefer), time.perf_counter()
