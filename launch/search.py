@@ -394,8 +394,9 @@ def tune(mesh_shape: dict, max_compiles: int, plan_all, compile_one, write_plan,
   """``--tune``: plans every ``schedule_grid`` candidate (``plan_all``: their plan files,
   or an error line), compiles the first ``max_compiles`` distinct plans (``compile_one``:
   a summary with its ``plan``, or an error line), prints the table and the fastest
-  modeled program that fits, and writes its plan (``write_plan``: the command that
-  trains with it). Exit status 1 where nothing compiled fits."""
+  modeled program that fits (of equals the first: the planner's before a change), and
+  writes its plan (``write_plan``: the command that trains with it). Exit status 1 where
+  nothing compiled fits."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   grid_ = schedule_grid(mesh_shape)
   progress(f"tune ours' ring schedules at the config's layout: planning {len(grid_)} "
