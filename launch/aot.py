@@ -2,6 +2,7 @@ r"""Compiles the real train step for a TPU slice ahead of time, on this CPU mach
 
   python -m launch.aot --config configs/dense_500b.py [--topology v4:8x8x16] \
       [--variants baseline,xla,ours] [--json] [--hlo_dir DIR] [--config.a.b=value ...]
+  python -m launch.aot --config configs/dense_500b.py --tune [--plan_out plan.json]
 
 Needs the ``tpu`` extra (``.venv/bin/python -m pip install -c constraints.txt -e
 '.[tpu]'``: libtpu, the TPU compiler, which runs on CPU). For each variant, in its
@@ -44,6 +45,18 @@ parallelism/hardware.py), as a user would train:
 (``model.scan_unroll``, ``model.cast_in_loop``, ``parallelism.gradient_accumulators``):
 each prints one table and the best per variant (launch/search.py).
 
+``--tune [--max_compiles N] [--plan_out PATH]`` tunes ours' ring schedules at the config's
+layout (``search.tune``): one worker plans ours under the planner's schedules (``{}``) and
+under each one-field change of them (each value of ``schedule.CHOICES``, ``unroll`` 1, 2 and
+the longest ring's steps), as ``--schedule`` sets them; candidates whose plans would compile
+the same are dropped, the first N distinct ones compiled (default 6; the rest named), each a
+progress line (modeled step, fit). It prints a table and writes the plan of the fastest
+modeled program that fits to PATH (default ``./plan.json``, through a temporary file), with
+the command that trains with it (``python -m trainer.train --config ...
+--config.parallelism.plan=PATH``); ``launch.aot --variants ours
+--config.parallelism.plan=PATH`` compiles that plan again. Ours only; not with ``--search``
+yet, ``--refine``, ``--schedule``, ``--hlo_dir`` or a ``parallelism.plan`` (exit 2).
+
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
 before anything compiles; a failed compile with status 1.
@@ -58,6 +71,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -78,6 +92,7 @@ from trainer.hints import install_hint
 from trainer.state import abstract_model, model_for_mesh
 
 GIB = 2 ** 30
+DEFAULT_VARIANTS = 'baseline,xla,ours'
 WINDOWED_EINSUM_OFF = '--xla_jf_spmd_threshold_for_windowed_einsum_mib=1000000'
 WINDOWED_EINSUM_ALL = ('--xla_jf_spmd_threshold_for_windowed_einsum_mib=0 '
                        '--xla_tpu_spmd_bidirectional_windowed_einsum=true')
@@ -134,8 +149,9 @@ def parse_args(argv):
   parser.add_argument('--config', required=True, help='config file, path.py[:arg]')
   parser.add_argument('--topology', default=None,
                       help="TPU slice, e.g. v4:8x8x16 (default: the config's aot.topology)")
-  parser.add_argument('--variants', default='baseline,xla,ours',
-                      help=f'comma-separated, of {",".join(VARIANTS)}')
+  parser.add_argument('--variants', default=None,
+                      help=f'comma-separated, of {",".join(VARIANTS)} (default {DEFAULT_VARIANTS}; '
+                           'with --tune: ours)')
   parser.add_argument('--json', action='store_true', help='print one JSON object')
   parser.add_argument('--hlo_dir', default=None,
                       help='also write each variant\'s scheduled TPU HLO here')
@@ -151,23 +167,31 @@ def parse_args(argv):
                       help='ring schedule settings as JSON that every ring of ours takes where '
                            "they apply, instead of the planner's (parallelism/schedule.py), "
                            'e.g. \'{"unroll": 8, "additions": "fused"}\': to compare schedules')
+  parser.add_argument('--tune', action='store_true',
+                      help="compile ours under the planner's ring schedules and under each "
+                           'one-field change of them, name the fastest modeled program that '
+                           'fits and write its plan to --plan_out (launch/search.py)')
+  parser.add_argument('--plan_out', default=plan_file.NAME,
+                      help=f'with --tune: where the best plan goes (default ./{plan_file.NAME})')
   parser.add_argument('--max_compiles', type=int, default=6,
-                      help='with --search: layouts to compile (default 6; 0: rank them only)')
+                      help='with --search: layouts to compile (default 6; 0: rank them only); '
+                           'with --tune: schedules to compile, the planner\'s first (default 6)')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--flag_set', default='', help=argparse.SUPPRESS)
+  parser.add_argument('--candidates', default=None, help=argparse.SUPPRESS)  # plan these only
   return parser.parse_known_args(argv)
 
 
 def schedule_prefer(args) -> dict:
   """``--schedule``'s settings, checked (ConfigError in one line)."""
   try:
-    prefer = json.loads(args.schedule or '{}')
+    prefer = json.loads(getattr(args, 'schedule', '') or '{}')
     if not isinstance(prefer, dict):
       raise ValueError('not a JSON object')
     return schedule.check_prefer(prefer)
   except ValueError as e:
-    raise ConfigError(f'--schedule {args.schedule!r}: {e}') from None
+    raise ConfigError(f'--schedule {getattr(args, "schedule", "")!r}: {e}') from None
 
 
 def load(args, overrides) -> tuple:
@@ -178,15 +202,39 @@ def load(args, overrides) -> tuple:
   if not topology:
     raise ConfigError(f'no --topology given and {args.config} has no aot.topology')
   chip, chips = parse_topology(topology)
-  variants = [v.strip() for v in args.variants.split(',') if v.strip()]
+  given = args.variants or ('ours' if getattr(args, 'tune', False) else DEFAULT_VARIANTS)
+  variants = [v.strip() for v in given.split(',') if v.strip()]
   bad = [v for v in variants if v not in VARIANTS]
   if bad or not variants:
-    raise ConfigError(f'--variants {args.variants!r}: each must be one of {sorted(VARIANTS)}')
+    raise ConfigError(f'--variants {given!r}: each must be one of {sorted(VARIANTS)}')
+  if getattr(args, 'tune', False):
+    check_tune(args, cfg, variants)
   try:
     info = _check(cfg, chips)
   except (KeyError, ValueError) as e:
     raise ConfigError(str(e).strip('"')) from None
   return cfg, topology, chip, chips, variants, info
+
+
+def check_tune(args, cfg: Config, variants: list[str]) -> None:
+  """What ``--tune`` cannot be combined with, and where its plan goes; ConfigError in one
+  line before anything compiles."""
+  refused = [(args.search, '--search (layouts) is not supported with --tune yet'),
+             (args.refine, '--refine: give one of --tune and --refine'),
+             (variants != ['ours'], f'--variants {args.variants!r}: --tune tunes the ours '
+                                    'variant only (leave --variants out)'),
+             (bool(args.schedule), '--schedule: --tune chooses the schedules itself'),
+             (bool(cfg.parallelism.plan), 'parallelism.plan: --tune makes a plan; it does '
+                                          'not start from one'),
+             (bool(args.hlo_dir), '--hlo_dir is not supported with --tune'),
+             (args.max_compiles < 1, f'--max_compiles {args.max_compiles}: --tune compiles '
+                                     "at least the planner's schedule (1)")]
+  for bad, message in refused:
+    if bad:
+      raise ConfigError(message)
+  where = os.path.dirname(os.path.abspath(args.plan_out))
+  if os.path.isdir(args.plan_out) or not os.path.isdir(where) or not os.access(where, os.W_OK):
+    raise ConfigError(f'--plan_out {args.plan_out}: cannot write a file there')
 
 
 def _check(cfg: Config, chips: int) -> dict:
@@ -243,11 +291,17 @@ def worker(args, overrides) -> int:
     mesh = mesh_lib.make_mesh(cfg.mesh.sizes(), topo.devices)
     rules = sharding.normalize_rules(cfg.mesh.logical_axis_rules)
     saved = plan_file.read(cfg.parallelism.plan) if cfg.parallelism.plan else None
+    if args.candidates is not None:  # --tune: only the plans of these schedules
+      _write(args.out, out | {'plans': [
+          plan_of(model_for_mesh(cfg, mesh, rules, saved, prefer=prefer), mesh, cfg)
+          for prefer in json.loads(args.candidates)]})
+      return 0
     model = model_for_mesh(cfg, mesh, rules, saved, prefer=schedule_prefer(args))
     program = loop.build(cfg, model, mesh, rules)
   except (ValueError, RuntimeError) as e:  # a topology the compiler refuses, a bad layout
     _write(args.out, out | {'error': str(e).splitlines()[0], 'input_error': True})
     return 0
+  out['plan'] = plan_of(model, mesh, cfg)  # what --tune writes for the one it picks
   start = time.perf_counter()
   lowered = program.train_step.lower(program.abstract_state,
                                      program.abstract_batch(cfg.batch_size, cfg.seq_len))
@@ -292,6 +346,12 @@ def worker(args, overrides) -> int:
   return 0
 
 
+def plan_of(model, mesh, cfg: Config) -> dict:
+  """The model's layer plan as plan.json holds it (as a training run writes it,
+  trainer/loop.py): ``parallelism.plan=PATH`` runs it again."""
+  return plan_file.to_json(model.ops.plan, mesh.shape, cfg.hardware.name)
+
+
 def band(module, chip: step_model.Chip, coords) -> list[dict]:
   """The program modeled under each of ``step_model.band_chips``: its setting and times."""
   rows = []
@@ -330,29 +390,39 @@ def run_variant(args, overrides, name: str, topology: str, chip_flags: str) -> d
   program that fits (or the first, when none does)."""
   results = []
   for k, extra in enumerate(VARIANTS[name].flag_sets):
-    env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}  # TPU, not CPU
-    env['LIBTPU_INIT_ARGS'] = ' '.join(filter(None, [chip_flags, env.get('LIBTPU_INIT_ARGS'),
-                                                     extra]))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [root, env.get('PYTHONPATH')]))
-    with tempfile.TemporaryDirectory() as tmp:
-      out = os.path.join(tmp, 'result.json')
-      cmd = [sys.executable, '-m', 'launch.aot', '--config', args.config, '--topology',
-             topology, '--worker', name, '--out', out, '--schedule', args.schedule or '{}'
-             ] + list(overrides)
-      if args.hlo_dir:
-        cmd += ['--hlo_dir', args.hlo_dir] + (['--flag_set', f'.{k}'] if k else [])
-      proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-      if proc.returncode or not os.path.exists(out):
-        return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): '
-                                          f'{error_line(proc.stderr)}'}
-      with open(out, encoding='utf-8') as f:
-        results.append(json.load(f) | {'flag_set': extra or 'default threshold'})
-    if 'error' in results[-1]:
-      return results[-1]
+    more = ['--schedule', getattr(args, 'schedule', '') or '{}']
+    if args.hlo_dir:
+      more += ['--hlo_dir', args.hlo_dir] + (['--flag_set', f'.{k}'] if k else [])
+    r = run_worker(args, overrides, name, topology, (chip_flags, extra), more)
+    if 'error' in r:
+      return r
+    results.append(r | {'flag_set': extra or 'default threshold'})
   ranked = sorted(results, key=lambda r: (not r['memory']['fits'],
                                           r.get('model', {}).get('step_seconds', math.inf)))
   return ranked[0] | {'flag_sets_tried': len(results)}
+
+
+def run_worker(args, overrides, name: str, topology: str, flags: tuple[str, str],
+               more: list) -> dict:
+  """``worker`` for variant ``name`` in a fresh process with the worker arguments
+  ``more``, under the compiler flags ``(chip's, variant's)`` with the user's
+  ``LIBTPU_INIT_ARGS`` between them: its result, or ``{'error': ...}``."""
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}  # TPU, not CPU
+  chip_flags, extra = flags
+  env['LIBTPU_INIT_ARGS'] = ' '.join(filter(None, [chip_flags, env.get('LIBTPU_INIT_ARGS'),
+                                                   extra]))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env['PYTHONPATH'] = os.pathsep.join(filter(None, [root, env.get('PYTHONPATH')]))
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, 'result.json')
+    cmd = [sys.executable, '-m', 'launch.aot', '--config', args.config, '--topology',
+           topology, '--worker', name, '--out', out] + list(more) + list(overrides)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode or not os.path.exists(out):
+      return {'variant': name, 'error': f'compile failed (exit {proc.returncode}): '
+                                        f'{error_line(proc.stderr)}'}
+    with open(out, encoding='utf-8') as f:
+      return json.load(f)
 
 
 def error_line(stderr: str) -> str:
@@ -678,6 +748,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
       print(f'error: {e}', file=sys.stderr)
       return 2
+  if args.tune:
+    return tune(args, overrides, cfg, topology, chip, chips, info)
   if args.search or args.refine:
     def compile_layout(extra, only=variants):
       cfg_l, _, _, _, _, info_l = load(args, overrides + extra)
@@ -704,6 +776,35 @@ def main(argv=None) -> int:
   s = summarize(cfg, args.config, topology, chip, chips, info, results)
   print(json.dumps(s, indent=1) if args.json else text_report(s))
   return 0
+
+
+def tune(args, overrides, cfg, topology, chip, chips, info) -> int:
+  """``--tune``: plans every candidate schedule of ``search.schedule_grid`` in one worker,
+  compiles ours under each distinct plan (``search.tune``) and writes the best plan."""
+  flags = (hardware.compiler_flags(chip, cfg.hardware.xla_flags), VARIANTS['ours'].flag_sets[0])
+
+  def plan_all(prefers):
+    r = run_worker(args, overrides, 'ours', topology, flags,
+                   ['--candidates', json.dumps(prefers)])
+    return r.get('error') or r['plans']
+
+  def compile_one(prefer):
+    a = argparse.Namespace(**{**vars(args), 'schedule': json.dumps(prefer)})
+    r = run_variant(a, overrides, 'ours', topology, flags[0])
+    if 'error' in r:
+      return r['error']
+    return summarize(cfg, args.config, topology, chip, chips, info, {'ours': r}) | {
+        'plan': r['plan']}
+
+  def write_plan(plan):
+    plan_file.write(args.plan_out, plan)
+    return ' '.join(shlex.quote(a) for a in (
+        'python', '-m', 'trainer.train', '--config', args.config, *overrides,
+        f'--config.parallelism.plan={args.plan_out}'))
+
+  shape = {a: d * i for a, (d, i) in mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips).items()}
+  return search.tune(shape, args.max_compiles, plan_all, compile_one, write_plan,
+                     args.plan_out)
 
 
 def compile_variants(args, overrides, cfg, topology, chip, variants) -> dict | int:

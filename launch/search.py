@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import sys
 import time
@@ -80,7 +81,7 @@ import jax.numpy as jnp
 
 from models import attention
 from models.transformer import count_params
-from parallelism import hardware, pricing
+from parallelism import hardware, pricing, schedule
 from trainer import metrics, optim, validation
 from trainer.state import abstract_model
 
@@ -358,6 +359,105 @@ def refine(cfg, variants, compile_layout) -> int:
   return 0
 
 
+def schedule_grid(mesh_shape: dict) -> list[dict]:
+  """``--tune``'s candidates, as ``prefer`` settings every ring of ours takes where they
+  apply: the planner's own (``{}``), each schedule field at each of its values
+  (``schedule.CHOICES``) and the ring steps per loop iteration at 1, 2 and the longest
+  ring (no loop). One field at a time, so a table row says what its change did; those
+  that leave the plan as it was (the planner's own value) are dropped by ``plan_key``."""
+  longest = max([n for n in mesh_shape.values()] + [1])
+  return ([{}] + [{key: value} for key, values in schedule.CHOICES.items() for value in values]
+          + [{'unroll': n} for n in sorted({1, 2, longest})])
+
+
+def schedule_label(prefer: dict) -> str:
+  return ' '.join(f'{k}={v}' for k, v in prefer.items()) or "the planner's"
+
+
+# What of a plan file describes its decisions rather than the program they make (the cost
+# model's figures, the reasons): two plans that differ only there compile the same.
+_WHY = ('estimate', 'reason', 'gradient_seconds', 'measured', 'seconds', 'why_no_kernel')
+
+
+def plan_key(plan: dict) -> str:
+  """What of a plan (``plan_file.to_json``) decides the compiled program, as a string:
+  equal for two candidates that compile the same."""
+  def strip(x):
+    if isinstance(x, dict):
+      return {k: strip(v) for k, v in x.items() if k not in _WHY}
+    return [strip(v) for v in x] if isinstance(x, list) else x
+  return json.dumps(strip(plan['layers']), sort_keys=True)
+
+
+def tune(mesh_shape: dict, max_compiles: int, plan_all, compile_one, write_plan,
+         plan_out: str) -> int:
+  """``--tune``: plans every ``schedule_grid`` candidate (``plan_all``: their plan files,
+  or an error line), compiles the first ``max_compiles`` distinct plans (``compile_one``:
+  a summary with its ``plan``, or an error line), prints the table and the fastest
+  modeled program that fits (of equals the first: the planner's before a change), and
+  writes its plan (``write_plan``: the command that trains with it). Exit status 1 where
+  nothing compiled fits."""
+  progress = lambda msg: print(msg, file=sys.stderr, flush=True)
+  grid_ = schedule_grid(mesh_shape)
+  progress(f"tune ours' ring schedules at the config's layout: planning {len(grid_)} "
+           "candidates (the planner's, one schedule field changed for every ring)")
+  plans = plan_all(grid_)
+  if isinstance(plans, str):
+    progress(f'error: planning the candidates: {plans}')
+    return 1
+  distinct, seen = [], {}
+  for prefer, plan in zip(grid_, plans):
+    first = seen.setdefault(plan_key(plan), prefer)
+    if first is prefer:
+      distinct.append((prefer, plan))
+    else:
+      progress(f'  skip {schedule_label(prefer)}: the same plan as {schedule_label(first)}')
+  chosen, left = distinct[:max_compiles], distinct[max_compiles:]
+  not_compiled = (f'not compiled (--max_compiles {max_compiles}): '
+                  + ', '.join(schedule_label(p) for p, _ in left)) if left else ''
+  progress(f'{len(distinct)} distinct plan(s); compiling {len(chosen)}'
+           + (f'; {not_compiled}' if left else '')
+           + ('' if len(distinct) > 1 else ' (every candidate plans the same: it runs no '
+                                           'ring, nothing to tune)'))
+  rows, start = [], time.perf_counter()
+  for i, (prefer, _) in enumerate(chosen):
+    label, began = schedule_label(prefer), time.perf_counter()
+    s = compile_one(prefer)
+    if isinstance(s, str):
+      progress(f'[{i + 1}/{len(chosen)}] {label}: compile failed: {s}')
+      s = None
+    else:
+      step = s['modeled'].get('ours', {}).get('step_seconds')
+      progress(f'[{i + 1}/{len(chosen)}] {label}: modeled step '
+               + (f'{step:.4f} s' if step else '-') + f", {s['variants']['ours']['memory']['fit']} "
+               f'({time.perf_counter() - began:.0f} s)')
+    rows.append((label, None, None, s))
+  progress(f'compiled {len(chosen)} schedule(s) in {time.perf_counter() - start:.0f} s')
+  print(table(rows, ['ours'], what='schedule', steps=True))
+  if not_compiled:
+    print(not_compiled)
+  best = best_row(rows, 'ours')
+  if best is None:
+    print(f'{plan_out} not written: no compiled schedule fits')
+    return 1
+  command = write_plan(best[3]['plan'])
+  print(f'wrote {plan_out}: the plan of {best[0]}; to train with it:\n  {command}')
+  return 0
+
+
+def best_row(rows, variant: str):
+  """The row of ``table``'s rows whose ``variant`` program fits with the highest modeled
+  MFU (the fastest modeled step of one config), the first of equals; None if none fits."""
+  best = None
+  for row in rows:
+    s = row[3]
+    mfu = s and s['modeled'].get(variant, {}).get('mfu')
+    fits = s and s['variants'].get(variant, {}).get('memory', {}).get('fit') == 'FITS'
+    if mfu and fits and (best is None or mfu > best[3]['modeled'][variant]['mfu']):
+      best = row
+  return best
+
+
 def aligned(rows) -> list[str]:
   """Rows of strings as left-aligned columns two spaces apart."""
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -378,19 +478,20 @@ def ranking(kept, usable: float) -> str:
   return '\n'.join(out)
 
 
-def table(rows, variants, what: str = 'layout') -> str:
-  """The compiled layouts (or ``--refine``'s settings, ``what``): each variant's memory (one
-  GiB figure, or one per variant in column order where they differ), fit and modeled MFU;
-  the best per variant among those where that variant's own program fits."""
+def table(rows, variants, what: str = 'layout', steps: bool = False) -> str:
+  """The compiled layouts (or ``--refine``'s settings, ``--tune``'s schedules: ``what``):
+  each variant's memory (one GiB figure, or one per variant in column order where they
+  differ), fit and modeled MFU (and step seconds, ``steps``); the best per variant among
+  those where that variant's own program fits."""
   estimated = any(r[1] is not None for r in rows)  # --refine estimates nothing
   est = lambda e: [f'{e / 2**30:.1f}'] if estimated else []
   head = [what] + (['est GiB'] if estimated else []) + ['GiB/chip', 'fit'] + [
-      f'{v} MFU' for v in variants]
+      f'{v} {c}' for v in variants for c in ['MFU'] + ['step s'] * steps]
   lines, best, differ = [], {}, False
   for layout, estimate, _, s in rows:
     if s is None:
       lines.append([str(layout), *est(estimate), '-', 'compile failed'] +
-                   ['-'] * len(variants))
+                   ['-'] * len(variants) * (1 + steps))
       continue
     done = [v for v in variants if v in s['variants']]  # --refine compiles some once
     mems = {v: s['variants'][v].get('memory') or {} for v in done}
@@ -405,15 +506,18 @@ def table(rows, variants, what: str = 'layout') -> str:
       mfu = s['modeled'].get(v, {}).get('mfu')
       cells.append((f'{mfu:.1%}' + ('' if fits[v] else ' (does not fit)')) if mfu else
                    '-' if v in done else 'not compiled')
+      step = s['modeled'].get(v, {}).get('step_seconds')
+      cells += [f'{step:.4f}' if step else '-'] * steps
       if mfu and fits[v] and mfu > best.get(v, (0, None))[0]:
-        best[v] = (mfu, layout)
+        best[v] = (mfu, layout, step)
     lines.append(cells)
   out = aligned([head] + lines)
   if differ:
     out.append(f'(GiB/chip: compiled, per variant where they differ: {" / ".join(variants)})')
   out.append('(modeled MFU: the step model over each compiled program; not measured)')
-  for v, (mfu, layout) in best.items():
-    out.append(f'best for {v}: {layout} ({mfu:.1%} modeled MFU)')
+  for v, (mfu, layout, step) in best.items():
+    out.append(f'best for {v}: {layout} ({mfu:.1%} modeled MFU'
+               + (f', modeled step {step:.4f} s)' if steps else ')'))
   for v in variants:
     if v not in best:
       out.append(f'best for {v}: none (its program fits at no compiled {what})')

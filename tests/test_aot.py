@@ -1,5 +1,6 @@
 """launch.aot: bad input, and a real TPU compile of a small config (needs libtpu)."""
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -11,8 +12,8 @@ import types
 
 import pytest
 
-from launch import aot
-from parallelism import step_model
+from launch import aot, search
+from parallelism import plan_file, schedule, step_model
 from tests.conftest import ROOT
 from trainer.hints import install_hint
 
@@ -58,6 +59,17 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
     (['--config', DENSE_10B, '--schedule', '{"layout": "tiled"}'],
      "layout='tiled' is not one of ('compiler', 'contiguous')"),
     (['--config', DENSE_10B, '--schedule', '[1]'], 'not a JSON object'),
+    (['--config', DENSE_10B, '--tune', '--search'],
+     '--search (layouts) is not supported with --tune yet'),
+    (['--config', DENSE_10B, '--tune', '--variants', 'baseline,xla'],
+     "--variants 'baseline,xla': --tune tunes the ours variant only"),
+    (['--config', DENSE_10B, '--tune', '--schedule', '{"unroll": 2}'],
+     '--schedule: --tune chooses the schedules itself'),
+    (['--config', DENSE_10B, '--tune', '--config.parallelism.plan=plan.json'],
+     'parallelism.plan: --tune makes a plan'),
+    (['--config', DENSE_10B, '--tune', '--max_compiles', '0'], '--max_compiles 0: --tune'),
+    (['--config', DENSE_10B, '--tune', '--plan_out', '/no/such/dir/plan.json'],
+     '--plan_out /no/such/dir/plan.json: cannot write a file there'),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, expected, capsys):
   assert aot.main(args) == 2
@@ -299,6 +311,38 @@ def test_search_compiles_the_best_layouts_and_names_the_best():
   assert 'baseline MFU' in proc.stdout and 'best for baseline: data=' in proc.stdout
 
 
+@needs_libtpu
+def test_tune_writes_the_plan_of_the_best_schedule(tmp_path, monkeypatch):
+  """--tune on the small config, two compiles: plan.json reads back (plan_file.read), for
+  this mesh, and is the plan the winning candidate's schedule makes (planned again)."""
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
+  out = tmp_path / 'plan.json'
+  proc = subprocess.run(
+      [sys.executable, '-m', 'launch.aot', '--config', DENSE_10B, '--topology', 'v4:2x2x2',
+       '--tune', '--max_compiles', '2', '--plan_out', str(out)] + SMALL,
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert re.search(r"\[1/2\] the planner's: modeled step [\d.]+ s, FITS", proc.stderr)
+  assert 'not compiled (--max_compiles 2): ' in proc.stdout
+  [best] = re.findall(r'best for ours: (.+?) \(', proc.stdout)
+  assert f'wrote {out}: the plan of {best}; to train with it:' in proc.stdout
+  assert f'--config.parallelism.plan={out}' in proc.stdout.splitlines()[-1]
+  saved = plan_file.read(str(out))
+  assert saved['mesh'] == {'data': 1, 'fsdp': 2, 'tensor': 4, 'expert': 1}
+  assert saved['hardware'] == 'tpu_v4' and len(saved['layers']) == 5
+  prefer = {} if best == "the planner's" else dict([best.split('=')])
+  prefer = {k: int(v) if k == 'unroll' else v for k, v in prefer.items()}
+  monkeypatch.delenv('XLA_FLAGS', raising=False)  # the workers' own, as launch.aot's
+  again = aot.run_worker(argparse.Namespace(config=DENSE_10B), SMALL, 'ours', 'v4:2x2x2',
+                         ('', ''), ['--candidates', json.dumps([prefer])])
+  [planned] = again['plans']
+  assert search.plan_key(json.loads(out.read_text())) == search.plan_key(planned)
+  schedules = [s for l in saved['layers'].values() for s in l.decision.schedules if s]
+  assert schedules and all(isinstance(s, schedule.RingSchedule) for s in schedules)
+  for key, value in prefer.items():  # the winner's change, where it applies
+    assert any(getattr(s, key) == value for s in schedules), (key, value)
+
+
 def _compiled(totals: dict, mfus: dict, usable=30.75) -> dict:
   """A search row's summary (as launch.aot's summarize gives it) from GiB and MFU per variant."""
   gib = 2 ** 30
@@ -376,6 +420,68 @@ def test_refine_sweeps_the_program_settings_at_the_config_layout(capsys):
   assert f'best for baseline: {fast} gradient_accumulators=any (65.0% modeled MFU)' in lines
   # ours is fastest with the accumulators 'any' there, but does not fit: 'sharded' does
   assert f'best for ours: {fast} gradient_accumulators=sharded (76.0% modeled MFU)' in lines
+
+
+def test_tune_compiles_each_distinct_plan_once_and_writes_the_fastest_that_fits(capsys):
+  """--tune (search.tune) with the compiles faked: candidates whose plans compile the same
+  (only the cost model's figures differ) are compiled once, --max_compiles caps the rest
+  (named), a faster program that does not fit loses, a failed compile is a row."""
+  grid = search.schedule_grid({'data': 1, 'fsdp': 2, 'tensor': 4, 'expert': 1})
+  assert grid[0] == {} and all(len(p) == 1 for p in grid[1:])
+  assert {'layout': 'contiguous'} in grid and grid[-3:] == [{'unroll': n} for n in (1, 2, 4)]
+
+  def plan(prefer):  # the planner's: additions fused, unroll 4; the other fields apply to none
+    ring = {'additions': 'fused', 'unroll': 4} | {k: v for k, v in prefer.items()
+                                                   if k in ('additions', 'unroll')}
+    return {'layers': {'blocks.*.mlp.down': {'decision': {
+        'schedules': [ring, None], 'reason': str(prefer), 'estimate': {'seconds': len(prefer)}}}}}
+
+  steps = {"the planner's": (1.0, 30.0), 'additions=apart': (0.9, 31.0),
+           'additions=kernel': (0.95, 30.5)}
+  written, compiled = [], []
+
+  def compile_one(prefer):
+    label = search.schedule_label(prefer)
+    compiled.append(label)
+    if label not in steps:
+      return 'compile failed (exit 1): boom'
+    step, gib = steps[label]
+    s = _compiled({'ours': gib}, {'ours': 0.5 / step})
+    s['modeled']['ours']['step_seconds'] = step
+    return s | {'plan': plan(prefer)}
+
+  def tune(max_compiles, plan_all=lambda prefers: [plan(p) for p in prefers]):
+    return search.tune({'fsdp': 2, 'tensor': 4}, max_compiles, plan_all, compile_one,
+                       lambda p: written.append(p) or 'python -m trainer.train ...', 'p.json')
+
+  assert tune(4) == 0
+  out = capsys.readouterr()
+  assert compiled == ["the planner's", 'additions=apart', 'additions=kernel', 'unroll=1']
+  assert written == [plan({'additions': 'kernel'})]
+  assert "skip additions=fused: the same plan as the planner's" in out.err
+  assert "skip unroll=4: the same plan as the planner's" in out.err
+  assert '[2/4] additions=apart: modeled step 0.9000 s, DOES NOT FIT' in out.err
+  assert '[4/4] unroll=1: compile failed: compile failed (exit 1): boom' in out.err
+  lines = out.out.splitlines()
+  assert re.split(r'\s{2,}', lines[0]) == ['schedule', 'GiB/chip', 'fit', 'ours MFU',
+                                           'ours step s']
+  assert 'best for ours: additions=kernel (52.6% modeled MFU, modeled step 0.9500 s)' in lines
+  assert 'not compiled (--max_compiles 4): unroll=2' in lines
+  assert lines[-2:] == ['wrote p.json: the plan of additions=kernel; to train with it:',
+                        '  python -m trainer.train ...']
+  steps.update({k: (v[0], 40.0) for k, v in steps.items()})  # none fits: nothing written
+  assert tune(3) == 1 and len(written) == 1
+  assert 'p.json not written: no compiled schedule fits' in capsys.readouterr().out
+  assert tune(3, lambda prefers: 'compile failed (exit 1): bad') == 1
+  assert 'error: planning the candidates: compile failed' in capsys.readouterr().err
+
+
+def test_plan_key_ignores_what_explains_a_decision():
+  layer = lambda reason, unroll: {'layers': {'x': {'kind': 'einsum', 'decision': {
+      'reason': reason, 'estimate': {'seconds': 1.0}, 'gradient_seconds': [{}, {}],
+      'schedules': [{'unroll': unroll, 'why_no_kernel': reason}]}}}}
+  assert search.plan_key(layer('a', 2)) == search.plan_key(layer('b', 2))
+  assert search.plan_key(layer('a', 2)) != search.plan_key(layer('a', 1))
 
 
 def test_refine_and_search_are_one_or_the_other(capsys):
