@@ -81,7 +81,7 @@ import jax.numpy as jnp
 
 from models import attention
 from models.transformer import count_params
-from parallelism import hardware, pricing, schedule
+from parallelism import decision, hardware, pricing, schedule
 from trainer import metrics, optim, validation
 from trainer.state import abstract_model
 
@@ -374,17 +374,12 @@ def schedule_label(prefer: dict) -> str:
   return ' '.join(f'{k}={v}' for k, v in prefer.items()) or "the planner's"
 
 
-# What of a plan file describes its decisions rather than the program they make (the cost
-# model's figures, the reasons): two plans that differ only there compile the same.
-_WHY = ('estimate', 'reason', 'gradient_seconds', 'measured', 'seconds', 'why_no_kernel')
-
-
 def plan_key(plan: dict) -> str:
   """What of a plan (``plan_file.to_json``) decides the compiled program, as a string:
   equal for two candidates that compile the same."""
   def strip(x):
     if isinstance(x, dict):
-      return {k: strip(v) for k, v in x.items() if k not in _WHY}
+      return {k: strip(v) for k, v in x.items() if k not in decision.EXPLAINING}
     return [strip(v) for v in x] if isinstance(x, list) else x
   return json.dumps(strip(plan['layers']), sort_keys=True)
 

@@ -39,6 +39,11 @@ GRADIENT_RINGS = ('ringed_forward', 'any_forward')
 # The mode of a weight gradient's ring over the forward's axis (``_backward_forms``).
 WEIGHT_GRADIENT_MODE = 'bidirectional'
 DECOMPOSABLE = ('allgather_free', 'allgather_contracting', 'reducescatter')
+# What of a decision (and of its rings' schedules, and of an MoE exchange's) explains it
+# rather than makes its program: the cost model's figures, the reasons, measured times.
+# Two decisions that differ only there compile the same (``Decision.program``).
+EXPLAINING = ('estimate', 'reason', 'gradient_seconds', 'measured', 'seconds',
+              'why_no_kernel')
 
 
 class _Priced(NamedTuple):
@@ -81,6 +86,14 @@ class Decision:
   # Under parallelism.tune=measure, each form tried and its seconds on the devices
   # (forward and both gradients, the slowest process's): ``parallelism/tune.py``.
   measured: tuple[tuple[str, float], ...] = ()
+
+  def program(self) -> tuple:
+    """What of the decision its compiled program depends on: every field but
+    ``EXPLAINING``'s, each schedule's too."""
+    made = lambda x: tuple((f.name, getattr(x, f.name)) for f in dataclasses.fields(x)
+                           if f.name not in EXPLAINING)
+    return tuple((k, tuple(s and made(s) for s in v) if k == 'schedules' else v)
+                 for k, v in made(self))
 
   @property
   def decomposed(self) -> bool:

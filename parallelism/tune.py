@@ -49,14 +49,9 @@ def candidates(decision: Decision, shapes, specs, dtype, *, mesh, policy) -> dic
       d = explain(decision.equation, *shapes, dtype, mode=mode, **kw)
     except ValueError:  # no ring can run this layer's einsum
       continue
-    if all(_form(d) != _form(o) for o in out.values()):
+    if all(d.program() != o.program() for o in out.values()):
       out[mode] = d
   return out
-
-
-def _form(d: Decision):
-  """What of a decision the program depends on (not its reasons or estimates)."""
-  return (d.mode, d.axis, d.backward, d.backward_over, d.schedules, d.ring_order)
 
 
 def compiled(decision: Decision, shapes, specs, dtype, mesh):
