@@ -462,6 +462,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'with_einsum_between': sum(bool(p['einsums_between']) for p in pairs),
           'pairs': pairs}
       step = model['step_seconds']
+      kernels = by_ring(model.get('kernels_by_op', {}))
       out['modeled'][name] = {
           'step_seconds': step, 'compute_seconds': model['compute_seconds'],
           'compute_terms': model['compute_terms'],
@@ -474,11 +475,11 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'exposed_off_rings': exposed_off_rings(model['exposed_by']),
           'costliest_non_matmul': costliest_non_matmul(model['non_matmul_by_op']),
           'additions_by_ring': additions_by_ring(model['non_matmul_by_op']),
-          'kernels_by_ring': by_ring(model.get('kernels_by_op', {})),
+          'kernels_by_ring': kernels,
           # the plan's rings that run the kernel: the same rings, or a warning says which
           'planned_kernels': r.get('planned_kernels', []),
-          'warnings': model['warnings'] + _kernel_mismatch(
-              r.get('planned_kernels', []), by_ring(model.get('kernels_by_op', {})))}
+          'warnings': model['warnings'] + _kernel_mismatch(r.get('planned_kernels', []),
+                                                           kernels)}
       if 'alternative' in model:  # the same program under step_model.ALTERNATIVE
         other = model['alternative']
         out['modeled'][name]['alternative'] = other | {
@@ -619,8 +620,7 @@ def by_ring(by_op: dict) -> dict:
       continue
     name, kind, direction, equation = m.groups()
     name = re.sub(r'^(?:\w+\()+|\)+$', '', name)  # transpose(jvp(unembed)) -> unembed
-    label = (f"{name}{' (bwd)' if 'transpose(' in op_name else ''}: {equation} "
-             f'({kind}, {direction})')
+    label = report.ring_label(name, 'transpose(' in op_name, equation, kind, direction)
     out[label] = out.get(label, 0.0) + seconds
   return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 

@@ -145,8 +145,14 @@ def kernel_rings(plan: Mapping[str, Any]) -> list[str]:
       continue
     for i, (sc, ring) in enumerate(zip(d.schedules, ring_einsums(d, specs))):
       if sc is not None and sc.additions == 'kernel':
-        out.append(f"{path}{' (bwd)' if i else ''}: {ring[0]} ({ring[1]}, {sc.direction})")
+        out.append(ring_label(path, bool(i), ring[0], ring[1], sc.direction))
   return sorted(out)
+
+
+def ring_label(layer: str, backward: bool, equation: str, kind: str, direction: str) -> str:
+  """A ring's name in the plan's and the compiled program's lists of rings (launch.aot's
+  ``kernels_by_ring``, ``additions_by_ring``): 'LAYER[ (bwd)]: EQUATION (KIND, DIRECTION)'."""
+  return f"{layer}{' (bwd)' if backward else ''}: {equation} ({kind}, {direction})"
 
 
 def runs_a_ring(row: dict) -> bool:
