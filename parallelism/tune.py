@@ -13,7 +13,8 @@ each ring with the planner's schedule (``parallelism/schedule.py``). The cost mo
 proposes; the fastest measured form runs, and its measured times stay in the plan (the
 report's ``measured_ms``, plan.json). Every process times every candidate, and the
 slowest process's time of each decides, so all processes run one plan and compile one
-program. On CPU nothing overlaps and rings only cost time (docs/collective_einsum.md);
+program. Only layers whose form is the planner's to choose are measured
+(``left_to_planner``): a form the config sets is kept. On CPU nothing overlaps and rings only cost time (docs/collective_einsum.md);
 the measurement there checks the machinery, not the technique.
 """
 
@@ -90,6 +91,14 @@ def seconds(decisions, shapes, specs, dtype, mesh) -> list[float]:
   return list(map(float, best))
 
 
+def left_to_planner(path: str, policy) -> bool:
+  """Whether layer ``path``'s form is the planner's to choose, so measuring may change it:
+  ``collective_matmul='auto'`` and no ``layer_overrides`` entry other than ``auto`` for it.
+  A form the config sets (always, never, an override) is the user's, never replaced."""
+  entry = policy.override(path)
+  return policy.collective_matmul == 'auto' and (entry is None or entry[1] == 'auto')
+
+
 def measure(plan: Mapping[str, Any], dtype, *, mesh, policy,
             log: Callable[[str], None] = print) -> dict:
   """``plan`` (``sharding.plan_layers``'s, before ring orders are set) with each dense
@@ -97,9 +106,15 @@ def measure(plan: Mapping[str, Any], dtype, *, mesh, policy,
   every candidate's seconds."""
   start = time.perf_counter()
   groups: dict[tuple, list[str]] = {}
-  for path, layer in plan.items():
-    if not isinstance(layer.decision, moe.ExchangeDecision):
+  dense = [p for p, layer in plan.items() if not isinstance(layer.decision, moe.ExchangeDecision)]
+  fixed = [p for p in dense if not left_to_planner(p, policy)]
+  for path in dense:
+    layer = plan[path]
+    if path not in fixed:
       groups.setdefault((layer.decision.equation, layer.specs, layer.shapes), []).append(path)
+  if fixed:
+    log(f'tune: {len(fixed)} layer(s) keep the form the config sets, not measured '
+        f'(collective_matmul={policy.collective_matmul!r} or layer_overrides)')
   out, tried = dict(plan), 0
   for k, ((equation, specs, shapes), paths) in enumerate(groups.items()):
     first = plan[paths[0]].decision

@@ -19,15 +19,18 @@ from trainer import train
 pytestmark = pytest.mark.xdist_group('test_tune')
 
 
+AUTO = '--config.parallelism.collective_matmul=auto'  # the default config sets 'always'
+
+
 def _prepare(workdir, *overrides):
   return train.prepare(argparse.Namespace(config=DEFAULT, workdir=str(workdir)),
                        TINY + list(overrides))
 
 
 def test_measure_runs_each_layers_fastest_form_and_records_every_candidate(tmp_path, capsys):
-  planned = _prepare(tmp_path / 'model', '--config.parallelism.tune=model').model.ops.plan
+  planned = _prepare(tmp_path / 'model', AUTO, '--config.parallelism.tune=model').model.ops.plan
   capsys.readouterr()
-  run = _prepare(tmp_path / 'measure', '--config.parallelism.tune=measure')
+  run = _prepare(tmp_path / 'measure', AUTO, '--config.parallelism.tune=measure')
   lines = capsys.readouterr().out.splitlines()
   plan, policy = run.model.ops.plan, run.model.ops.policy
   groups = {}
@@ -77,10 +80,26 @@ def test_auto_on_cpu_and_model_plan_by_the_cost_model(tmp_path, capsys):
     _prepare(tmp_path / 'bad', '--config.parallelism.tune=fast')
 
 
+def test_measure_keeps_the_forms_the_config_sets(tmp_path, capsys):
+  # layer_overrides names the unembedding plain: measuring times the other layers only
+  run = _prepare(tmp_path / 'override', AUTO, '--config.parallelism.tune=measure',
+                 '--config.parallelism.layer_overrides=unembed=plain')
+  out = capsys.readouterr().out
+  assert 'tune: 1 layer(s) keep the form the config sets, not measured' in out, out
+  unembed = run.model.ops.plan['unembed'].decision
+  assert unembed.mode == 'none' and not unembed.measured, unembed
+  assert any(l.decision.measured for p, l in run.model.ops.plan.items() if p != 'unembed')
+  # collective_matmul='always' sets every dense layer's form: nothing is measured
+  run = _prepare(tmp_path / 'always', '--config.parallelism.tune=measure')
+  out = capsys.readouterr().out
+  assert ' -> ' not in out and 'keep the form the config sets' in out, out
+  assert all(not l.decision.measured for l in run.model.ops.plan.values())
+
+
 def test_two_processes_measure_and_run_one_plan(tmp_path, monkeypatch):
   # a fresh per-machine cache: each process measures the CPU's matmul peak on its own devices
   monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
-  code, out = _launch(tmp_path, '--config.steps=1', '--config.parallelism.tune=measure')
+  code, out = _launch(tmp_path, '--config.steps=1', AUTO, '--config.parallelism.tune=measure')
   assert code == 0, out
   chosen = []
   for p in (0, 1):
