@@ -126,11 +126,15 @@ def measure_cpu() -> dict:
   return out
 
 
-def measure_aot(names: list[str]) -> dict:
+def measure_aot(names: list[str], hlo_dir: str | None = None) -> dict:
+  """``launch.aot --json`` for each of ``names``; with ``hlo_dir``, each config's compiled
+  programs are kept in ``hlo_dir/NAME`` (to re-read them under another step model)."""
   env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
   out, meta = {}, _meta()  # the commit the run started from
   for i, name in enumerate(names):
     argv = ['-m', 'launch.aot', '--config', config_arg(name), '--json']
+    if hlo_dir:
+      argv += ['--hlo_dir', os.path.join(os.path.abspath(hlo_dir), name.replace(':', '_'))]
     progress(f'aot {i + 1}/{len(names)}: {name}: python {" ".join(argv)}')
     start = time.perf_counter()
     out[name] = run_json(argv, env)
@@ -944,6 +948,8 @@ def main(argv=None) -> int:
   parser.add_argument('--configs', nargs='+', choices=AOT_CONFIGS, default=None, metavar='NAME',
                       help='with --only aot: re-measure these configs, keep the others '
                            f'({", ".join(AOT_CONFIGS)})')
+  parser.add_argument('--hlo_dir', default=None, metavar='DIR',
+                      help='keep each paper-scale config\'s compiled programs in DIR/NAME')
   parser.add_argument('--render', action='store_true',
                       help="measure nothing: rewrite the page and docs/results.md's summary from "
                            'results.json')
@@ -984,7 +990,7 @@ def main(argv=None) -> int:
     results['meta']['CPU benchmarks'] = _meta()
     results['cpu'] = measure_cpu()
   if args.only in (None, 'aot'):
-    fresh = measure_aot(args.configs or AOT_CONFIGS)
+    fresh = measure_aot(args.configs or AOT_CONFIGS, args.hlo_dir)
     results['aot'] = {name: fresh.get(name, results['aot'].get(name)) for name in AOT_CONFIGS
                       if name in fresh or name in results['aot']}
   os.makedirs(OUT, exist_ok=True)
