@@ -23,8 +23,9 @@ published shape is checked the same way, e.g. MaxText's 128B on v5p-512 (68.83%)
 ``--fit`` searches the model's two fitted constants (``step_model.FITTED``)
 for the smallest worst-row error over the rows compiled, re-reading the
 compiled programs, and prints them; the constants in parallelism/step_model.py
-are set from this output by hand. Without overrides MaxText's rows (its single-slice
-v5p runs: 32B, 64B, 128B, 256B and 512B) are written to docs/calibration.md with a
+are set from this output by hand. With more than one row it prints the leave-one-out
+error: each row's error when ``matmul_efficiency`` is fitted on the other rows alone.
+Without overrides MaxText's rows (its single-slice v5p runs: 32B, 64B, 128B, 256B and 512B) are written to docs/calibration.md with a
 plot (docs/calibration.png), and with the fit's result (searched then, ``--fit`` or not).
 
 The measured MFU is compared over the FLOPs our MFU counts: a row whose measurement
@@ -49,7 +50,7 @@ import sys
 import tempfile
 
 from launch import aot
-from parallelism import hardware, step_model
+from parallelism import hardware, hlo_text, step_model
 from trainer import config as config_lib, metrics
 from trainer.hints import install_hint
 from trainer.config import ConfigError
@@ -98,8 +99,7 @@ class Row:
   alternative: dict = dataclasses.field(default_factory=dict)  # under step_model.ALTERNATIVE
 
   def model(self, chip: step_model.Chip) -> dict:
-    with open(self.hlo_path, encoding='utf-8') as f:
-      r = step_model.analyze(f.read(), chip, self.coords)
+    r = _analyzed(self.hlo_path, chip, self.coords)
     self.program_flops_per_chip = r.flops
     mfu = self.model_flops_per_chip / (chip.peak_flops * r.step_seconds)
     self.modeled = {'step_seconds': r.step_seconds, 'compute_seconds': r.compute_seconds,
@@ -107,6 +107,21 @@ class Row:
                     'exposed_comm_seconds': r.exposed_comm_seconds, 'mfu': mfu,
                     'error_points': 100 * (mfu - self.measured_mfu)}
     return self.modeled
+
+
+_PARSED: dict = {}   # hlo_path -> its parsed module
+_ANALYZED: dict = {}  # (hlo_path, chip) -> step_model.Result: fits re-read rows per grid point
+
+
+def _analyzed(hlo_path: str, chip: step_model.Chip, coords) -> step_model.Result:
+  """``step_model.analyze`` of a row's program on ``chip``, parsed once and modeled once
+  per chip (the fit and leave-one-out search one grid of chips over every row)."""
+  if (hlo_path, chip) not in _ANALYZED:
+    if hlo_path not in _PARSED:
+      with open(hlo_path, encoding='utf-8') as f:
+        _PARSED[hlo_path] = hlo_text.parse(f.read())
+    _ANALYZED[hlo_path, chip] = step_model.analyze(_PARSED[hlo_path], chip, coords)
+  return _ANALYZED[hlo_path, chip]
 
 
 def check_row(path: str, args, overrides, hlo_dir: str) -> tuple:
@@ -158,27 +173,61 @@ def _name(path: str) -> str:
   return os.path.splitext(os.path.basename(path))[0]
 
 
-def fit(rows: list[Row], chip_name: str) -> dict:
-  """The fitted constants minimizing the worst row's |error| (coarse grid, then fine):
-  both together, and each alone with the other at the data sheet's rate (1.0), since the
-  rows may not tell them apart (the step model's docstring)."""
+def search(rows: list[Row], chip_name: str, names) -> dict:
+  """The values of the fitted constants ``names`` (the others at the data sheet's 1.0)
+  with the smallest worst-row |error| over ``rows`` (a coarse grid, then a fine one)."""
   base = step_model.Chip.from_profile(chip_name)
 
-  def worst(values, names=step_model.FITTED) -> float:
+  def worst(values) -> float:
     chip = dataclasses.replace(base, **({k: 1.0 for k in step_model.FITTED}
                                         | dict(zip(names, values))))
     return max(abs(r.model(chip)['error_points']) for r in rows)
 
-  def search(names) -> dict:
-    coarse = [0.5 + 0.05 * i for i in range(11)]
-    best = min(itertools.product(*[coarse] * len(names)), key=lambda v: worst(v, names))
-    fine = [[round(b + 0.01 * i, 3) for i in range(-4, 5) if 0 < b + 0.01 * i <= 1]
-            for b in best]
-    best = min(itertools.product(*fine), key=lambda v: worst(v, names))
-    return dict(zip(names, best)) | {'worst_error_points': worst(best, names)}
+  coarse = [0.5 + 0.05 * i for i in range(11)]
+  best = min(itertools.product(*[coarse] * len(names)), key=worst)
+  fine = [[round(b + 0.01 * i, 3) for i in range(-4, 5) if 0 < b + 0.01 * i <= 1]
+          for b in best]
+  best = min(itertools.product(*fine), key=worst)
+  return dict(zip(names, best)) | {'worst_error_points': worst(best)}
 
-  return {'both': search(step_model.FITTED)} | {
-      f'{name} alone': search((name,)) for name in step_model.FITTED}
+
+def fit(rows: list[Row], chip_name: str) -> dict:
+  """The fitted constants minimizing the worst row's |error|: both together, and each alone
+  with the other at the data sheet's rate (1.0), since the rows may not tell them apart
+  (the step model's docstring)."""
+  return {'both': search(rows, chip_name, step_model.FITTED)} | {
+      f'{name} alone': search(rows, chip_name, (name,)) for name in step_model.FITTED}
+
+
+LEFT_OUT_FIT = ('matmul_efficiency',)  # the form of the fit the constants set take
+
+
+def leave_one_out(rows: list[Row], chip_name: str) -> dict:
+  """Each row's error under the constants fitted (``LEFT_OUT_FIT``, as ``search``) on all
+  the other rows: config -> {'fitted': value, 'error_points'}. It says how far the model
+  misses a program it was not fitted to, which the in-sample worst error understates."""
+  out = {}
+  base = step_model.Chip.from_profile(chip_name)
+  for r in rows:
+    found = search([o for o in rows if o is not r], chip_name, LEFT_OUT_FIT)
+    chip = dataclasses.replace(base, **({k: 1.0 for k in step_model.FITTED}
+                                        | {k: found[k] for k in LEFT_OUT_FIT}))
+    out[_name(r.config)] = {'fitted': {k: found[k] for k in LEFT_OUT_FIT},
+                            'error_points': r.model(chip)['error_points']}
+  return out
+
+
+def loo_note(held_out: dict | None) -> str:
+  """The leave-one-out errors as a paragraph of docs/calibration.md."""
+  if not held_out:
+    return ''
+  each = ', '.join(f"{k} {v['error_points']:+.1f} (fitted "
+                   + ', '.join(f'{n} {x}' for n, x in v['fitted'].items()) + ')'
+                   for k, v in held_out.items())
+  worst = max(abs(v['error_points']) for v in held_out.values())
+  return (f'**Leave-one-out.** Each row modeled with `{", ".join(LEFT_OUT_FIT)}` fitted on '
+          f'the other rows alone (`calibrate.leave_one_out`): {each}. Worst **{worst:.1f} '
+          'points**: the error to expect on a program the model was not fitted to.')
 
 
 def table(rows: list[Row]) -> list[str]:
@@ -326,7 +375,8 @@ def fit_note(fitted: dict | None, chip: step_model.Chip, worst_now: float) -> st
                  '[paper_scale.md](paper_scale.md) says why, and what setting one would change.')
 
 
-def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None) -> None:
+def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None,
+              held_out: dict | None) -> None:
   constants = ', '.join(f'`{k}` = {getattr(chip, k)}' for k in step_model.FITTED)
   worst = max(abs(r.modeled['error_points']) for r in rows)
   lines = ['# Calibration: the step model against measured MFU', '',
@@ -349,13 +399,14 @@ def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None) -> No
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
            findings(rows, worst), '', same_shape_note(rows), '', alternative_note(rows), '',
-           fit_note(fitted, chip, worst), '', memory_note(rows), '',
+           fit_note(fitted, chip, worst), '', loo_note(held_out), '', memory_note(rows), '',
            'Differences between our programs and MaxText\'s that remain are listed in each '
            "config's docstring (configs/calibration/).", '']
   with open(DOC, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines))
   with open(DOC.replace('.md', '.json'), 'w', encoding='utf-8') as f:
-    json.dump({'rows': [_record(r) for r in rows], 'fit': fitted}, f, indent=1)
+    json.dump({'rows': [_record(r) for r in rows], 'fit': fitted,
+               'leave_one_out': held_out}, f, indent=1)
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -389,7 +440,7 @@ def render() -> int:
         modeled['error_points'] = 100 * (modeled['mfu'] - r.measured_mfu)
     rows.append(r)
   chip = step_model.Chip.from_profile(aot.parse_topology(rows[0].topology)[0].name)
-  write_doc(rows, chip, stored['fit'])
+  write_doc(rows, chip, stored['fit'], stored.get('leave_one_out'))
   print('\n'.join(table(rows)))
   print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)} from the stored rows',
         file=sys.stderr)
@@ -429,6 +480,7 @@ def main(argv=None) -> int:
     fitted = fit(rows, chip_name) if args.fit or writes_doc else None
     if args.fit:
       print(f'fitted constants: {json.dumps(fitted)}', file=sys.stderr)
+    held_out = leave_one_out(rows, chip_name) if len(rows) > 1 else None
     chip = step_model.Chip.from_profile(chip_name)
     other = dataclasses.replace(chip, **step_model.ALTERNATIVE)
     for r in rows:
@@ -437,9 +489,11 @@ def main(argv=None) -> int:
   out = [_record(r) for r in rows]
   print(json.dumps(out, indent=1) if args.json else '\n'.join(table(rows)))
   if writes_doc:
-    write_doc(rows, chip, fitted)
+    write_doc(rows, chip, fitted, held_out)
     print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)}', file=sys.stderr)
   worst = max(abs(r.modeled['error_points']) for r in rows)
+  if held_out:
+    print(loo_note(held_out).replace('**', ''), file=sys.stderr)
   print(f'worst |modeled - measured| = {worst:.1f} MFU points (tolerance {args.tolerance}; '
         'modeled, not measured)', file=sys.stderr)
   return 0 if worst <= args.tolerance else 1

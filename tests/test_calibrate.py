@@ -163,3 +163,22 @@ def test_rows_of_one_layer_shape_are_compared_per_layer_and_sequence():
   assert calibrate.same_shape_note([small, apart], apart=1.7).endswith(
       'The measurements agree on that room.')
   assert calibrate.same_shape_note([small]) == ''
+
+
+def test_leave_one_out_models_each_row_with_the_constant_fitted_on_the_others():
+  # Two rows of one program, measured as the model times it with matmuls at 90% and at 80%
+  # of peak: each, held out, is modeled at the other's rate, and misses by the difference.
+  sheet = step_model.Chip.from_profile('tpu_v5p', calibrated=False)
+  fast, slow = _row(0.0), dataclasses.replace(_row(0.0),
+                                              config='configs/calibration/maxtext_64b_v5p.py')
+  fast.measured_mfu = fast.model(dataclasses.replace(sheet, matmul_efficiency=0.9))['mfu']
+  slow.measured_mfu = slow.model(dataclasses.replace(sheet, matmul_efficiency=0.8))['mfu']
+  held_out = calibrate.leave_one_out([fast, slow], 'tpu_v5p')
+  assert held_out['maxtext_32b_v5p']['fitted'] == {'matmul_efficiency': pytest.approx(0.8)}
+  assert held_out['maxtext_64b_v5p']['fitted'] == {'matmul_efficiency': pytest.approx(0.9)}
+  gap = 100 * (fast.measured_mfu - slow.measured_mfu)
+  assert gap > 0
+  assert held_out['maxtext_32b_v5p']['error_points'] == pytest.approx(-gap)
+  assert held_out['maxtext_64b_v5p']['error_points'] == pytest.approx(gap)
+  note = calibrate.loo_note(held_out)
+  assert note.startswith('**Leave-one-out.**') and f'Worst **{gap:.1f} points**' in note
