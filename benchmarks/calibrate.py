@@ -1,10 +1,10 @@
-r"""Checks the step model against measured MFU: MaxText's published TPU v5p results.
+r"""Checks the step model against measured MFU: MaxText's published TPU v4 and v5p results.
 
   python -m benchmarks.calibrate [--configs A.py,B.py] [--topology T] [--config.a.b=v ...]
                                  [--fit] [--tolerance 5] [--hlo_dir DIR] [--json]
   python -m benchmarks.calibrate --render
 
-For each calibration config (default: ``configs/calibration/maxtext_*_v5p.py``)
+For each calibration config (default: ``configs/calibration/maxtext_*_*.py``)
 the train step is compiled for its TPU slice exactly as ``launch.aot``'s
 ``maxtext`` variant does (the chip's default flags, which are MaxText's, and
 XLA's windowed einsum at its default threshold: what MaxText ran), one compile
@@ -25,7 +25,8 @@ for the smallest worst-row error over the rows compiled, re-reading the
 compiled programs, and prints them; the constants in parallelism/step_model.py
 are set from this output by hand. With more than one row it prints the leave-one-out
 error: each row's error when ``matmul_efficiency`` is fitted on the other rows alone.
-Without overrides MaxText's rows (its single-slice v5p runs: 32B, 64B, 128B, 256B and 512B) are written to docs/calibration.md with a
+Without overrides MaxText's rows (its single-slice v4 runs, 22B and 52B, and v5p runs, 32B,
+64B, 128B, 256B and 512B) are written to docs/calibration.md with a
 plot (docs/calibration.png), and with the fit's result (searched then, ``--fit`` or not).
 
 The measured MFU is compared over the FLOPs our MFU counts: a row whose measurement
@@ -56,12 +57,16 @@ from trainer.hints import install_hint
 from trainer.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join('configs', 'calibration', 'maxtext_*_v5p.py'),
-                           root_dir=ROOT), key=lambda p: int(p.split('_')[1][:-1]))
+# MaxText's measured rows: configs/calibration/maxtext_<size>_<chip>.py, by chip then size
+CONFIGS = sorted(glob.glob(os.path.join('configs', 'calibration', 'maxtext_*_*.py'),
+                           root_dir=ROOT),
+                 key=lambda p: (p[:-3].split('_')[-1], int(p.split('_')[1][:-1])))
 DOC = os.path.join(ROOT, 'docs', 'calibration.md')
 PLOT = os.path.join(ROOT, 'docs', 'calibration.png')
 SOURCE = ('MaxText/configs/v5p/README.md (AI-Hypercomputer/maxtext), measured on one slice '
-          'with the commands in MaxText/configs/v5p/*.sh')
+          'with the commands in MaxText/configs/v5p/*.sh; and its TPU v4 README table of '
+          '2023-04-27 (commit 281e04bf3), measured with MaxText/configs/1xv4-128.sh and '
+          '1xv4-384.sh then (configs/calibration/SOURCES.md quotes both)')
 
 
 def parse_args(argv):
@@ -97,6 +102,14 @@ class Row:
   program_flops_per_chip: float = 0.0
   modeled: dict = dataclasses.field(default_factory=dict)
   alternative: dict = dataclasses.field(default_factory=dict)  # under step_model.ALTERNATIVE
+
+  def chip(self, constants: dict | None = None) -> step_model.Chip:
+    """The step model's chip for this row's slice: calibrated, or with ``constants`` (some
+    of ``step_model.FITTED``; the others at the data sheet's 1.0)."""
+    chip = step_model.Chip.from_profile(aot.parse_topology(self.topology)[0].name)
+    if constants is None:
+      return chip
+    return dataclasses.replace(chip, **({k: 1.0 for k in step_model.FITTED} | constants))
 
   def model(self, chip: step_model.Chip) -> dict:
     r = _analyzed(self.hlo_path, chip, self.coords)
@@ -152,15 +165,19 @@ def compile_row(checked: tuple, overrides, progress: str) -> Row:
 
 
 def on_our_count(cfg) -> float:
-  """``aot.measured_mfu`` over the FLOPs our MFU counts: a measurement that counted every
-  (query, key) pair of causal attention (``aot.measured_attention='full'``: MaxText's MFU
-  before its PR #1988, as its published v5p table) counted more FLOPs for the same step
-  time, so its MFU is scaled by ours over its count."""
+  """``aot.measured_mfu`` over the FLOPs our MFU counts (each (query, key) pair of causal
+  attention once): the same step time over another count scales the MFU by ours over
+  theirs. ``aot.measured_attention`` says what the measurement counted: every pair
+  (``full``: MaxText's MFU before its PR #1988, as its published v5p table), no attention
+  at all (``none``: 6 x parameters a token, MaxText's TFLOP/s in 2023, its v4 table), or
+  as we do (``causal``)."""
   if cfg.aot.measured_attention == 'causal':
     return cfg.aot.measured_mfu
   m = cfg.transformer()
-  return cfg.aot.measured_mfu * (metrics.flops_per_token(m, cfg.seq_len) /
-                                 metrics.flops_per_token(m, cfg.seq_len, causal=False))
+  ours = metrics.flops_per_token(m, cfg.seq_len)
+  theirs = {'full': metrics.flops_per_token(m, cfg.seq_len, causal=False),
+            'none': 6 * metrics.matmul_params(m)}[cfg.aot.measured_attention]
+  return cfg.aot.measured_mfu * ours / theirs
 
 
 def _record(r: Row) -> dict:
@@ -173,15 +190,12 @@ def _name(path: str) -> str:
   return os.path.splitext(os.path.basename(path))[0]
 
 
-def search(rows: list[Row], chip_name: str, names) -> dict:
+def search(rows: list[Row], names) -> dict:
   """The values of the fitted constants ``names`` (the others at the data sheet's 1.0)
-  with the smallest worst-row |error| over ``rows`` (a coarse grid, then a fine one)."""
-  base = step_model.Chip.from_profile(chip_name)
-
+  with the smallest worst-row |error| over ``rows`` (a coarse grid, then a fine one), each
+  row on its own chip."""
   def worst(values) -> float:
-    chip = dataclasses.replace(base, **({k: 1.0 for k in step_model.FITTED}
-                                        | dict(zip(names, values))))
-    return max(abs(r.model(chip)['error_points']) for r in rows)
+    return max(abs(r.model(r.chip(dict(zip(names, values))))['error_points']) for r in rows)
 
   coarse = [0.5 + 0.05 * i for i in range(11)]
   best = min(itertools.product(*[coarse] * len(names)), key=worst)
@@ -191,29 +205,26 @@ def search(rows: list[Row], chip_name: str, names) -> dict:
   return dict(zip(names, best)) | {'worst_error_points': worst(best)}
 
 
-def fit(rows: list[Row], chip_name: str) -> dict:
+def fit(rows: list[Row]) -> dict:
   """The fitted constants minimizing the worst row's |error|: both together, and each alone
   with the other at the data sheet's rate (1.0), since the rows may not tell them apart
   (the step model's docstring)."""
-  return {'both': search(rows, chip_name, step_model.FITTED)} | {
-      f'{name} alone': search(rows, chip_name, (name,)) for name in step_model.FITTED}
+  return {'both': search(rows, step_model.FITTED)} | {
+      f'{name} alone': search(rows, (name,)) for name in step_model.FITTED}
 
 
 LEFT_OUT_FIT = ('matmul_efficiency',)  # the form of the fit the constants set take
 
 
-def leave_one_out(rows: list[Row], chip_name: str) -> dict:
+def leave_one_out(rows: list[Row]) -> dict:
   """Each row's error under the constants fitted (``LEFT_OUT_FIT``, as ``search``) on all
   the other rows: config -> {'fitted': value, 'error_points'}. It says how far the model
   misses a program it was not fitted to, which the in-sample worst error understates."""
   out = {}
-  base = step_model.Chip.from_profile(chip_name)
   for r in rows:
-    found = search([o for o in rows if o is not r], chip_name, LEFT_OUT_FIT)
-    chip = dataclasses.replace(base, **({k: 1.0 for k in step_model.FITTED}
-                                        | {k: found[k] for k in LEFT_OUT_FIT}))
-    out[_name(r.config)] = {'fitted': {k: found[k] for k in LEFT_OUT_FIT},
-                            'error_points': r.model(chip)['error_points']}
+    found = {k: v for k, v in search([o for o in rows if o is not r], LEFT_OUT_FIT).items()
+             if k in LEFT_OUT_FIT}
+    out[_name(r.config)] = {'fitted': found, 'error_points': r.model(r.chip(found))['error_points']}
   return out
 
 
@@ -416,7 +427,7 @@ def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None,
   ax.bar([i + 0.2 for i in x], [100 * r.modeled['mfu'] for r in rows], 0.4, label='modeled')
   ax.set_xticks(list(x), [_name(r.config).replace('maxtext_', '') for r in rows])
   ax.set_ylabel('MFU (%)')
-  ax.set_title('MaxText on TPU v5p: measured vs modeled')
+  ax.set_title('MaxText on TPU v4 and v5p: measured vs modeled')
   ax.legend()
   fig.tight_layout()
   fig.savefig(PLOT, dpi=100)
@@ -439,8 +450,7 @@ def render() -> int:
       if modeled:
         modeled['error_points'] = 100 * (modeled['mfu'] - r.measured_mfu)
     rows.append(r)
-  chip = step_model.Chip.from_profile(aot.parse_topology(rows[0].topology)[0].name)
-  write_doc(rows, chip, stored['fit'], stored.get('leave_one_out'))
+  write_doc(rows, rows[0].chip(), stored['fit'], stored.get('leave_one_out'))
   print('\n'.join(table(rows)))
   print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)} from the stored rows',
         file=sys.stderr)
@@ -476,20 +486,18 @@ def main(argv=None) -> int:
     except (ConfigError, RuntimeError) as e:  # bad input exits 2, a compiler refusal 1
       print(f'error: {e}', file=sys.stderr)
       return 2 if isinstance(e, ConfigError) else 1
-    chip_name = aot.parse_topology(rows[0].topology)[0].name
-    fitted = fit(rows, chip_name) if args.fit or writes_doc else None
+    fitted = fit(rows) if args.fit or writes_doc else None
     if args.fit:
       print(f'fitted constants: {json.dumps(fitted)}', file=sys.stderr)
-    held_out = leave_one_out(rows, chip_name) if len(rows) > 1 else None
-    chip = step_model.Chip.from_profile(chip_name)
-    other = dataclasses.replace(chip, **step_model.ALTERNATIVE)
+    held_out = leave_one_out(rows) if len(rows) > 1 else None
     for r in rows:
-      r.alternative = {k: r.model(other)[k] for k in ('step_seconds', 'mfu', 'error_points')}
-      r.model(chip)
+      r.alternative = {k: r.model(r.chip(step_model.ALTERNATIVE))[k]
+                       for k in ('step_seconds', 'mfu', 'error_points')}
+      r.model(r.chip())
   out = [_record(r) for r in rows]
   print(json.dumps(out, indent=1) if args.json else '\n'.join(table(rows)))
   if writes_doc:
-    write_doc(rows, chip, fitted, held_out)
+    write_doc(rows, rows[0].chip(), fitted, held_out)
     print(f'wrote {os.path.relpath(DOC)} and {os.path.relpath(PLOT)}', file=sys.stderr)
   worst = max(abs(r.modeled['error_points']) for r in rows)
   if held_out:

@@ -268,7 +268,8 @@ class Aot:
   measured_mfu: float | None = _key(None, "a calibration config's measured MFU (None: none)")
   measured_attention: str = _key('causal', 'the attention FLOPs measured_mfu counts: causal '
                                            '(each (query, key) pair once, as our MFU) | full '
-                                           "(every pair, as MaxText's MFU before its PR #1988)")
+                                           "(every pair, as MaxText's MFU before its PR #1988) | "
+                                           "none (6 x parameters a token, MaxText's in 2023)")
 
 
 @dataclasses.dataclass(frozen=True)

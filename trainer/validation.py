@@ -79,9 +79,9 @@ def _check_run(cfg: Config) -> None:
     raise ValueError(f'optimizer.grad_accum_steps={cfg.optimizer.grad_accum_steps} must be >= 1')
   if cfg.stop_after is not None and not 0 < cfg.stop_after <= cfg.steps:
     raise ValueError(f'stop_after={cfg.stop_after} is not in [1, steps={cfg.steps}]')
-  if cfg.aot.measured_attention not in ('causal', 'full'):
+  if cfg.aot.measured_attention not in ('causal', 'full', 'none'):
     raise ValueError(f'aot.measured_attention={cfg.aot.measured_attention!r} is not one of '
-                     'causal, full')
+                     'causal, full, none')
   if cfg.on_nonfinite not in ('stop', 'skip'):
     raise ValueError(f'on_nonfinite={cfg.on_nonfinite!r} is not one of stop, skip')
   if not 0 <= cfg.seed < 2**32:  # numpy's and JAX's seeds; a bad one failed after writing

@@ -59,3 +59,66 @@ def get_config(*, d_model: int, heads: int, mlp: int, layers: int, topology: str
   # model with it over our count, each pair once: 71.47% is 70.29% of ours at 32B.
   c.aot.measured_attention = 'full'
   return c
+
+
+def get_2023_config(*, d_model: int, heads: int, mlp: int, layers: int, topology: str,
+                    fsdp: int, tensor: int, batch_per_chip: int, seq_len: int,
+                    measured_mfu: float) -> ml_collections.ConfigDict:
+  """What MaxText's rows of 2023 share (its TPU v4 and v5e README tables): the base.yml of
+  that time, which differs from the v5p rows' (configs/calibration/SOURCES.md sections 1A
+  and 1B): vocabulary 32768, head_dim 256, a single ReLU up-projection of width ``mlp``
+  (here SwiGLU of width 2/3 ``mlp``, rounded up to a multiple of 128 where 3 does not
+  divide it: the same weights and matmul FLOPs, within 0.2%), tied embeddings, remat
+  'full'. Each chip's rows add their attention, compiler flags and FLOP count."""
+  c = get_config(d_model=d_model, heads=heads, mlp=-(-2 * mlp // 3 // 128) * 128 if mlp % 3
+                 else 2 * mlp // 3, layers=layers, topology=topology, fsdp=fsdp, tensor=tensor,
+                 batch_per_chip=batch_per_chip, remat='full', measured_mfu=measured_mfu)
+  c.seq_len = seq_len
+  c.model.max_seq_len = seq_len
+  c.model.vocab_size = 32768
+  c.model.head_dim = 256
+  c.model.tie_embeddings = True
+  return c
+
+
+def get_v4_config(*, d_model: int, heads: int, mlp: int, layers: int, topology: str,
+                  fsdp: int, batch_per_chip: int,
+                  measured_mfu: float) -> ml_collections.ConfigDict:
+  """MaxText's TPU v4 rows of April 2023 (its v4 README table; commands in
+  MaxText/configs/1xv4-128.sh and 1xv4-384.sh then): ``get_2023_config`` at sequence
+  length 1024, pure FSDP over ``fsdp`` chips, plain XLA attention (no flash kernel then),
+  and the one compiler flag those commands set. Its TFLOP/s counted 6 x parameters a
+  token, no attention (``measured_attention='none'``)."""
+  c = get_2023_config(d_model=d_model, heads=heads, mlp=mlp, layers=layers, topology=topology,
+                      fsdp=fsdp, tensor=1, batch_per_chip=batch_per_chip, seq_len=1024,
+                      measured_mfu=measured_mfu)
+  c.model.attention = 'xla'
+  c.hardware.name = 'tpu_v4'
+  # LIBTPU_INIT_ARGS of those commands: this flag, and TPU_MEGACORE=MEGACORE_DENSE, which is
+  # how the v4 slice runs here already (one device a chip)
+  c.hardware.xla_flags = '--xla_enable_async_all_gather=true'
+  c.aot.measured_attention = 'none'
+  return c
+
+
+# LIBTPU_INIT_ARGS of MaxText's v5e commands (MaxText/configs/largest_job/*.sh, 2023-10-27)
+V5E_FLAGS = ('--xla_tpu_enable_data_parallel_all_reduce_opt=true '
+             '--xla_tpu_data_parallel_opt_different_sized_ops=true '
+             '--xla_tpu_enable_async_collective_fusion=true '
+             '--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true '
+             '--xla_tpu_enable_async_collective_fusion_multiple_steps=true '
+             '--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true')
+
+
+def get_v5e_config(*, d_model: int, heads: int, mlp: int, layers: int, fsdp: int, tensor: int,
+                   batch_per_chip: int, measured_mfu: float) -> ml_collections.ConfigDict:
+  """MaxText's TPU v5e rows of October 2023 on one v5e-256 (its v5e README table; commands
+  in MaxText/configs/largest_job/*.sh then): ``get_2023_config`` at sequence length 2048,
+  its flash attention kernel (the splash kernel here), and those commands' compiler flags.
+  Its MFU counted every (query, key) pair of attention (``measured_attention='full'``)."""
+  c = get_2023_config(d_model=d_model, heads=heads, mlp=mlp, layers=layers,
+                      topology='v5e:16x16', fsdp=fsdp, tensor=tensor,
+                      batch_per_chip=batch_per_chip, seq_len=2048, measured_mfu=measured_mfu)
+  c.hardware.name = 'tpu_v5e'
+  c.hardware.xla_flags = V5E_FLAGS
+  return c
