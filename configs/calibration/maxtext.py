@@ -13,6 +13,12 @@ einsum at its default threshold: ``python -m benchmarks.calibrate`` compiles
 the ``xla`` variant of launch.aot, what MaxText ran. The files beside this one
 are the rows; each names its measured MFU and the differences that remain.
 
+Each row runs at its source's batch, or, where our program needs more memory than a chip
+gives one, at the largest batch at which it fits: a program that does not fit a chip cannot
+run on one, and the compiler schedules one that does not fit otherwise (it may leave no
+transfer overlapped: configs/calibration/maxtext_64b_v5p.py). No row sets a compiler flag
+its source did not set.
+
 ``aot.measured_mfu`` is the published measurement a row is checked against
 (``--config.aot.measured_mfu`` sets it for another published shape), and
 ``aot.measured_attention`` how it counted attention FLOPs.
