@@ -65,6 +65,7 @@ before anything compiles; a failed compile with status 1.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -460,7 +461,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
           'count': len(pairs),
           'from_collective_einsum': sum(RING_SCOPE in p['op_name'] for p in pairs),
           'with_einsum_between': sum(bool(p['einsums_between']) for p in pairs),
-          'pairs': pairs}
+          'routes': routes(pairs), 'pairs': pairs}
       step = model['step_seconds']
       kernels = by_ring(model.get('kernels_by_op', {}))
       out['modeled'][name] = {
@@ -552,6 +553,16 @@ def ring_terms(pairs: list[dict]) -> dict:
     row['compute_between'] += times * p['compute_between_us']
     row['exposed'] += times * p['exposed_us']
   return dict(sorted(out.items(), key=lambda kv: -kv[1]['exposed']))
+
+
+def routes(pairs: list[dict]) -> dict:
+  """Collective-permutes a step runs, by the most pairs one link carries and the longest
+  pair's hops on the slice's torus (``step_model.route``): ``'load L, H hops' -> count``.
+  The model prices each as one hop on a link of its own; this says where that holds."""
+  out = collections.Counter()
+  for p in pairs:
+    out[f"load {p.get('link_load', 1)}, {p.get('hops', 1)} hops"] += p.get('executions', 0.0)
+  return dict(sorted(out.items()))
 
 
 def exposed_off_rings(exposed_by: dict, top: int = 8) -> dict:
@@ -672,7 +683,8 @@ def text_report(s: dict, max_pairs: int = 12) -> str:
     lines += ['', f"{name}: {pp['count']} async collective-permute start/done pairs in the "
                   f"scheduled TPU program ({pp['from_collective_einsum']} from collective_einsum), "
                   f"{pp['with_einsum_between']} with an einsum scheduled between start and done "
-                  '(times modeled)']
+                  '(times modeled); per step by link load and hops: '
+                  + ', '.join(f'{k}: {n:.0f}' for k, n in pp.get('routes', {}).items())]
     head = ('layer', 'start', 'done', 'runs/step', 'transfer us', 'compute between us',
             'exposed us', 'einsums between')
     rows = [head] + [(_layer(p['op_name']), p['start'], p['done'], f"{p['executions']:.0f}",

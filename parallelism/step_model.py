@@ -476,6 +476,30 @@ def links(ins: Instr, num_partitions: int, coords=None) -> frozenset:
                    if len(set(points[:, k])) > 1 for sign in (1, -1))
 
 
+def route(pairs, coords) -> tuple[int, int]:
+  """(link load, hops) of a collective-permute's ``pairs`` on the torus of ``coords``: each
+  pair routed dimension by dimension, the shorter way round; the load is the most pairs
+  any one directed link carries, the hops the longest pair's. The model prices a permute as
+  one hop on a link of its own (``pricing.permute_seconds``): a load above 1 would make it
+  that many times slower, and each hop past the first adds a hop's latency, which the band's
+  fixed cost per permute bounds (``BAND['step_latency']``). ``(1, 1)`` without coordinates."""
+  if coords is None:
+    return 1, 1
+  extents = np.array(coords).max(axis=0) + 1
+  load, longest = collections.Counter(), 0
+  for src, dst in pairs:
+    at, hops = list(coords[src]), 0
+    for k, n in enumerate(extents):
+      d = (coords[dst][k] - at[k]) % n
+      way, count = (1, d) if d <= n // 2 else (-1, n - d)
+      for _ in range(count):
+        load[tuple(at), k, way] += 1
+        at[k] = (at[k] + way) % n
+      hops += count
+    longest = max(longest, hops)
+  return max(load.values(), default=0), longest
+
+
 def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: int,
                        coords=None) -> float:
   kind = ins.opcode.removesuffix('-start')
@@ -571,6 +595,7 @@ class _Model:
     self.pairs: list[dict] = []
     self.warnings: list[str] = []
     self.calls: dict[str, list[tuple[str, float]]] = {}  # callee -> [(caller, times)]
+    self.routes: dict[tuple, tuple[int, int]] = {}  # a permute's pairs -> route()
 
   def run(self, comp: str) -> Timeline:
     if comp in self.memo:
@@ -703,7 +728,16 @@ class _Model:
         'op_name': ins.op_name, 'bytes': sum(shape_bytes(shapes.get(o, '')) for o in
                                              ins.operands),
         'transfer_s': s, 'finish': begin + s, 'queued_s': begin - tl.seconds, 'compute': 0.0,
-        'einsums': []}
+        'einsums': [], 'route': self._route(coll)}
+
+  def _route(self, coll: Instr | None) -> tuple[int, int]:
+    """``route`` of a collective-permute (memoized by its pairs); (1, 1) for others."""
+    if coll is None or coll.opcode.removesuffix('-start') != 'collective-permute':
+      return 1, 1
+    pairs = tuple(source_target_pairs(coll.attrs))
+    if pairs not in self.routes:
+      self.routes[pairs] = route(pairs, self.coords)
+    return self.routes[pairs]
 
   def _done(self, ins: Instr, tl: Timeline, pending, by_name) -> None:
     if self.costs.async_role(ins) == 'done':  # an async collective fusion: by channel
@@ -729,7 +763,8 @@ class _Model:
           'kind': p['kind'], 'op_name': p['op_name'], 'bytes': p['bytes'],
           'transfer_us': p['transfer_s'] * 1e6, 'compute_between_us': p['compute'] * 1e6,
           'exposed_us': wait * 1e6, 'einsums_between': p['einsums'],
-          'queued_us': p['queued_s'] * 1e6})
+          'queued_us': p['queued_s'] * 1e6, 'link_load': p['route'][0],
+          'hops': p['route'][1]})
 
   def trip_count(self, ins: Instr, comp: str) -> int:
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)

@@ -671,3 +671,19 @@ def test_a_kernel_whose_grid_cannot_be_read_is_refused_by_name():
   no_body = program.replace('"body":"AAAA",', '')
   with pytest.raises(ValueError, match='carries no Mosaic body'):
     step_model.analyze(no_body, CHIP)
+
+
+def test_a_permutes_route_counts_the_busiest_link_and_the_longest_pair():
+  line = [(x, 0, 0) for x in range(4)]  # a ring of 4 along one torus dimension
+  assert step_model.route([(0, 1), (1, 2), (2, 3), (3, 0)], line) == (1, 1)
+  # the other way round, the shorter way: still one hop a pair, on the -1 links
+  assert step_model.route([(1, 0), (2, 1), (3, 2), (0, 3)], line) == (1, 1)
+  # 0 -> 2 and 1 -> 3 both cross the link from 1 to 2
+  assert step_model.route([(0, 2), (1, 3)], line) == (2, 2)
+  # a ring over a 2 x 2 plane turns corners: one hop a pair; over 2 x 4 in snake order,
+  # the pair back to the start crosses one dimension, two hops along the other
+  square = [(x, y, 0) for y in range(2) for x in range(2)]
+  assert step_model.route([(0, 1), (1, 3), (3, 2), (2, 0)], square) == (1, 1)
+  assert step_model.route([(0, 1)], None) == (1, 1)
+  wide = [(x, y, 0) for y in range(2) for x in range(4)]  # ids 0-3 at y=0, 4-7 at y=1
+  assert step_model.route([(3, 4)], wide) == (1, 2)  # (3,0) -> (0,1): wraps x, then y
