@@ -11,7 +11,9 @@ XLA's windowed einsum at its default threshold: what MaxText ran), one compile
 at a time (libtpu allows one process). The step model
 (parallelism/step_model.py) then gives a modeled step time and MFU, printed
 next to the measured MFU (``aot.measured_mfu`` of the config) and the error in
-points. Exit status 1 when a row is off by more than ``--tolerance`` points.
+points. Exit status 1 when a row is off by more than ``--tolerance`` points, or when a row's
+compiled program needs more memory than its chip gives one program: no chip could have run
+it, and the compiler schedules such a program otherwise (configs/calibration/maxtext.py).
 
 ``--config.*`` overrides and ``--topology`` apply to every config, so another
 published shape is checked the same way, e.g. MaxText's 128B on v5p-512 (68.83%):
@@ -158,6 +160,12 @@ def compile_row(checked: tuple, overrides, progress: str) -> Row:
   if 'model' not in r:  # the compiler refused it (out of memory): nothing to model
     raise RuntimeError(f"{path}: the compiler refused it on {topology}: "
                        f"{r['memory'].get('compiler_message', '')[:300]}")
+  if not r['memory']['fits']:  # compiled, but no chip could run it: not what was measured
+    raise RuntimeError(
+        f"{path}: our program needs {r['memory']['total'] / aot.GIB:.1f} GiB per chip, above "
+        f"the {chip.usable_hbm_bytes / aot.GIB:.2f} GiB a {topology.split(':')[0]} chip gives "
+        'one: it could not run where it was measured (the compiler schedules such a program '
+        'otherwise); check it at a batch that fits (--config.batch_size)')
   return Row(path, topology, chips, info['parameters'],
              info['model_flops_per_step'] / chips, on_our_count(cfg),
              os.path.join(ns.hlo_dir, 'maxtext.hlo.txt'), r.get('coords'),

@@ -198,3 +198,13 @@ def test_leave_one_out_models_each_row_with_the_constant_fitted_on_the_others():
   assert held_out['maxtext_64b_v5p']['error_points'] == pytest.approx(gap)
   note = calibrate.loo_note(held_out)
   assert note.startswith('**Leave-one-out.**') and f'Worst **{gap:.1f} points**' in note
+
+
+def test_a_row_whose_program_does_not_fit_its_chip_is_refused(capsys, monkeypatch):
+  # compiled, but above what a v5p chip gives one program: no chip could have run it
+  over = {'memory': {'fits': False, 'total': 97.2 * 2 ** 30}, 'model': {}}
+  monkeypatch.setattr(calibrate.aot, 'run_variant', lambda *a: over)
+  assert calibrate.main(['--configs', 'configs/calibration/maxtext_64b_v5p.py']) == 1
+  line = _error_line(capsys)
+  assert 'our program needs 97.2 GiB per chip, above the 95.74 GiB a v5p chip gives one' in line
+  assert line.endswith('check it at a batch that fits (--config.batch_size)')
