@@ -11,6 +11,9 @@ axis on one 16-long ring of the torus; the source does not say whether the compi
 windowed its einsums. The shared settings and the differences that remain are
 ``maxtext.get_v5e_config``'s (SwiGLU of the same weights within 0.2%, the splash kernel,
 synthetic tokens, today's compiler).
+
+Not a default row: our program cannot reproduce it (``benchmarks.calibrate.NOT_REPRODUCED``
+says why, with the numbers; docs/calibration.md shows them).
 """
 
 from configs.calibration import maxtext
