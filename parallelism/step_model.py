@@ -485,7 +485,7 @@ def route(pairs, coords) -> tuple[int, int]:
   fixed cost per permute bounds (``BAND['step_latency']``). ``(1, 1)`` without coordinates."""
   if coords is None:
     return 1, 1
-  extents = np.array(coords).max(axis=0) + 1
+  extents = [int(n) for n in np.array(coords).max(axis=0) + 1]
   load, longest = collections.Counter(), 0
   for src, dst in pairs:
     at, hops = list(coords[src]), 0
@@ -497,7 +497,7 @@ def route(pairs, coords) -> tuple[int, int]:
         at[k] = (at[k] + way) % n
       hops += count
     longest = max(longest, hops)
-  return max(load.values(), default=0), longest
+  return int(max(load.values(), default=0)), int(longest)
 
 
 def collective_seconds(ins: Instr, in_bytes: float, chip: Chip, num_partitions: int,

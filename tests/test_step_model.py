@@ -687,3 +687,5 @@ def test_a_permutes_route_counts_the_busiest_link_and_the_longest_pair():
   assert step_model.route([(0, 1)], None) == (1, 1)
   wide = [(x, y, 0) for y in range(2) for x in range(4)]  # ids 0-3 at y=0, 4-7 at y=1
   assert step_model.route([(3, 4)], wide) == (1, 2)  # (3,0) -> (0,1): wraps x, then y
+  # plain ints, for launch.aot's JSON
+  assert all(type(x) is int for x in step_model.route([(3, 4)], [tuple(c) for c in wide]))
