@@ -917,12 +917,16 @@ def calibration_summary() -> str:
   if not os.path.exists(CALIBRATION):
     return 'not calibrated yet (python -m benchmarks.calibrate)'
   with open(CALIBRATION, encoding='utf-8') as f:
-    rows = json.load(f)['rows']
+    stored = json.load(f)
+  rows = stored['rows']
   errors = ', '.join(f"{r['config']} {r['modeled']['error_points']:+.1f}" for r in rows)
   worst = max(abs(r['modeled']['error_points']) for r in rows)
   over = f', above the {TOLERANCE_POINTS:g}-point tolerance' if worst > TOLERANCE_POINTS else ''
-  return (f'modeled minus measured MFU on MaxText\'s v5p runs, in points: {errors} (worst '
-          f'{worst:.1f}{over})')
+  held_out = stored.get('leave_one_out') or {}
+  loo = (f"; each row fitted on the others alone, worst "
+         f"{max(abs(v['error_points']) for v in held_out.values()):.1f}" if held_out else '')
+  return (f'modeled minus measured MFU on MaxText\'s measured runs, in points: {errors} (worst '
+          f'{worst:.1f}{over}{loo})')
 
 
 def analyze(text: str | Module, chip: Chip, coords=None) -> Result:

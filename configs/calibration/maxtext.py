@@ -1,6 +1,7 @@
-r"""What MaxText's measured TPU v5p runs share (MaxText/configs/v5p/*.sh).
+r"""What MaxText's measured TPU runs share: its v5p rows (MaxText/configs/v5p/*.sh) in
+``get_config``, its v4 and v5e rows of 2023 in ``get_2023_config`` and the two after it.
 
-Every row: sequence length 2048, vocabulary 32000, head_dim 128, as many
+Every v5p row: sequence length 2048, vocabulary 32000, head_dim 128, as many
 key/value heads as query heads, SwiGLU, untied embeddings, bf16 compute over
 fp32 weights and AdamW moments, each layer weight's gradient converted to fp32
 inside the layer as MaxText's casts do (``model.grads_in_param_dtype``; ours keep
