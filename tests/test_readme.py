@@ -9,6 +9,7 @@ exist, values parse). ``make TARGET`` must be a Makefile target. Other commands
 """
 
 import functools
+import json
 import os
 import re
 import shlex
@@ -130,3 +131,14 @@ def _check(module: str, args: list[str]) -> None:
   if config and ':' not in config and not re.search(r'[A-Z<]', config):
     overrides = [a for a in args if a.startswith('--config.')]
     config_lib.load(os.path.join(ROOT, config), overrides)  # raises on a bad key or value
+
+
+def test_the_readmes_headline_band_is_the_reports():
+  """The first screen's modeled band for the 500B is docs/benchmarks/results.json's (written
+  by python -m benchmarks.report), not a number typed once and left behind."""
+  with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+    head = '\n'.join(f.read().splitlines()[:20])
+  with open(os.path.join(ROOT, 'docs', 'benchmarks', 'results.json'), encoding='utf-8') as f:
+    band = json.load(f)['aot']['dense_500b']['modeled']['ours']['band']['speedup_vs_best']
+  shown = ' / '.join(f'{band[k]:.2f}x' for k in ('min', 'median', 'max'))
+  assert f'**{shown}**' in head and '(modeled)' in head, shown
