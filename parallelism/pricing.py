@@ -24,7 +24,7 @@ import math
 from parallelism import hardware
 
 # The step model's two fitted constants (step_model's docstring, "Calibration").
-MATMUL_EFFICIENCY = 0.87  # fraction of the data-sheet peak a real chip's matmuls reach
+MATMUL_EFFICIENCY = 0.88  # fraction of the data-sheet peak a real chip's matmuls reach
 LINK_EFFICIENCY = 1.0     # fraction of the data-sheet link bandwidth a collective reaches
 CPU_NOMINAL_FLOPS = 25e9  # the CPU profile has no fixed peak; nothing overlaps there anyway
 
