@@ -37,6 +37,10 @@ MaxText's published v5p table) is scaled by our count over its (``on_our_count``
 ``--render`` compiles nothing: it rewrites docs/calibration.md from docs/calibration.json,
 each row's measurement read again from its config.
 
+``--hlo_dir DIR --reuse`` models the programs an earlier run kept in DIR instead of compiling
+them again, where the row's config, slice, compiler flags and compiler are the same (each row
+keeps them in ``DIR/NAME/row.json``): a change to the step model is checked in seconds.
+
 Every MFU this prints other than "measured" is modeled, not measured.
 """
 
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -94,6 +99,9 @@ def parse_args(argv):
   parser.add_argument('--tolerance', type=float, default=step_model.TOLERANCE_POINTS,
                       help='MFU points allowed')
   parser.add_argument('--hlo_dir', default=None, help='keep the compiled programs here')
+  parser.add_argument('--reuse', action='store_true',
+                      help='with --hlo_dir: model the programs a run kept there for the same '
+                           'inputs instead of compiling them again (seconds, not minutes)')
   parser.add_argument('--json', action='store_true', help='print one JSON object')
   parser.add_argument('--render', action='store_true',
                       help='compile nothing: rewrite docs/calibration.md from '
@@ -169,6 +177,34 @@ def check_row(path: str, args, overrides, hlo_dir: str) -> tuple:
   return (ns,) + aot.load(ns, overrides)
 
 
+ROW_FILE = 'row.json'  # beside a row's kept program (--hlo_dir): what --reuse reads back
+
+
+def _program_key(cfg, topology: str, flags: str) -> str:
+  """What a row's compiled program depends on: its config, slice, compiler flags and the
+  compiler's version (a program kept for other inputs is compiled again)."""
+  try:
+    compiler = importlib.metadata.version('libtpu')
+  except importlib.metadata.PackageNotFoundError:
+    compiler = ''
+  return json.dumps([dataclasses.asdict(cfg), topology, flags, compiler], sort_keys=True,
+                    default=str)
+
+
+def stored_row(checked: tuple) -> Row | None:
+  """The row ``compile_row`` kept in its ``--hlo_dir`` for these same inputs, or None."""
+  ns, cfg, topology, chip, *_ = checked
+  try:
+    with open(os.path.join(ns.hlo_dir, ROW_FILE), encoding='utf-8') as f:
+      stored = json.load(f)
+  except (OSError, ValueError):
+    return None
+  key = _program_key(cfg, topology, hardware.compiler_flags(chip, cfg.hardware.xla_flags))
+  if stored.get('key') != key or not os.path.exists(stored['row'].get('hlo_path', '')):
+    return None
+  return Row(**{k: v for k, v in stored['row'].items() if k in Row.__dataclass_fields__})
+
+
 def compile_row(checked: tuple, overrides, progress: str) -> Row:
   """Compiles the ``maxtext`` variant of a row ``check_row`` checked."""
   ns, cfg, topology, chip, chips, _, info = checked
@@ -187,10 +223,15 @@ def compile_row(checked: tuple, overrides, progress: str) -> Row:
         f"the {chip.usable_hbm_bytes / aot.GIB:.2f} GiB a {topology.split(':')[0]} chip gives "
         'one: it could not run where it was measured (the compiler schedules such a program '
         'otherwise); check it at a batch that fits (--config.batch_size)')
-  return Row(path, topology, chips, info['parameters'],
-             info['model_flops_per_step'] / chips, on_our_count(cfg),
-             os.path.join(ns.hlo_dir, 'maxtext.hlo.txt'), r.get('coords'),
-             r['memory']['total'] / aot.GIB, cfg.aot.measured_mfu)
+  row = Row(path, topology, chips, info['parameters'],
+            info['model_flops_per_step'] / chips, on_our_count(cfg),
+            os.path.join(ns.hlo_dir, 'maxtext.hlo.txt'), r.get('coords'),
+            r['memory']['total'] / aot.GIB, cfg.aot.measured_mfu)
+  flags = hardware.compiler_flags(chip, cfg.hardware.xla_flags)
+  os.makedirs(ns.hlo_dir, exist_ok=True)
+  with open(os.path.join(ns.hlo_dir, ROW_FILE), 'w', encoding='utf-8') as f:
+    json.dump({'key': _program_key(cfg, topology, flags), 'row': dataclasses.asdict(row)}, f)
+  return row
 
 
 def on_our_count(cfg) -> float:
@@ -501,13 +542,17 @@ def render() -> int:
 def main(argv=None) -> int:
   args, overrides = parse_args(argv)
   if args.render:
-    if overrides or args.topology or args.fit or args.hlo_dir or args.configs != ','.join(
-        CONFIGS):
+    if (overrides or args.topology or args.fit or args.hlo_dir or args.reuse
+        or args.configs != ','.join(CONFIGS)):
       print('error: --render rewrites the stored rows and takes no other option',
             file=sys.stderr)
       return 2
     return render()
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # this process models; workers compile
+  if args.reuse and not args.hlo_dir:
+    print('error: --reuse reads the programs a run kept in --hlo_dir; give --hlo_dir DIR',
+          file=sys.stderr)
+    return 2
   paths = [p.strip() for p in args.configs.split(',') if p.strip()]
   if not paths:
     print(f'error: --configs {args.configs!r} names no config', file=sys.stderr)
@@ -523,7 +568,8 @@ def main(argv=None) -> int:
       checked = [check_row(path, args, overrides, args.hlo_dir or tmp) for path in paths]
       if args.hlo_dir:  # made before the first compile (its workers write there after theirs)
         aot.make_hlo_dir(args.hlo_dir, *(_name(p) for p in paths))
-      rows = [compile_row(c, overrides, f'{i + 1}/{len(paths)}') for i, c in enumerate(checked)]
+      rows = [(args.reuse and stored_row(c)) or compile_row(c, overrides, f'{i + 1}/{len(paths)}')
+              for i, c in enumerate(checked)]
     except (ConfigError, RuntimeError) as e:  # bad input exits 2, a compiler refusal 1
       print(f'error: {e}', file=sys.stderr)
       return 2 if isinstance(e, ConfigError) else 1

@@ -212,3 +212,30 @@ def test_a_row_whose_program_does_not_fit_its_chip_is_refused(capsys, monkeypatc
   line = _error_line(capsys)
   assert 'our program needs 97.2 GiB per chip, above the 95.74 GiB a v5p chip gives one' in line
   assert line.endswith('check it at a batch that fits (--config.batch_size)')
+
+
+def test_reuse_models_the_kept_program_without_compiling(capsys, monkeypatch, tmp_path):
+  program = os.path.join(ROOT, 'tests', 'data', 'async_collective_fusion_v5p.hlo')
+  row = 'configs/calibration/maxtext_32b_v5p.py'
+
+  def compiled(ns, *args):  # what launch.aot's worker leaves: the program, memory, coordinates
+    os.makedirs(ns.hlo_dir, exist_ok=True)
+    with open(program, encoding='utf-8') as f, open(
+        os.path.join(ns.hlo_dir, 'maxtext.hlo.txt'), 'w', encoding='utf-8') as out:
+      out.write(f.read())
+    return {'memory': {'fits': True, 'total': 2 ** 30}, 'model': {}, 'coords': None}
+
+  monkeypatch.setattr(calibrate.aot, 'run_variant', compiled)
+  argv = ['--configs', row, '--hlo_dir', str(tmp_path)]
+  calibrate.main(argv)
+  first = capsys.readouterr().out
+  assert (tmp_path / 'maxtext_32b_v5p' / calibrate.ROW_FILE).exists()
+  monkeypatch.setattr(calibrate.aot, 'run_variant', lambda *a: pytest.fail('compiled'))
+  calibrate.main(argv + ['--reuse'])
+  assert capsys.readouterr().out == first  # the same row, modeled from the kept program
+  # other inputs than the kept program's: compiled again
+  monkeypatch.setattr(calibrate.aot, 'run_variant', compiled)
+  calibrate.main(argv + ['--reuse', '--config.batch_size=256'])
+  assert capsys.readouterr().out != first
+  assert calibrate.main(['--configs', row, '--reuse']) == 2
+  assert '--reuse reads the programs a run kept in --hlo_dir' in _error_line(capsys)
