@@ -270,16 +270,26 @@ def make_hlo_dir(path: str, *subdirs: str) -> None:
 # ---- one variant, in its own process ---------------------------------------------
 
 
+def variant_config(cfg, variant: Variant, chip: str):
+  """The config ``variant`` compiles: on ``chip``, planned by the cost model (nothing runs
+  here to measure). A comparator (``collective_matmul`` set: ``never``) runs every dense
+  layer as the compiler does, ``layer_overrides`` included: an override naming rings would
+  put ours' rings into the baseline and XLA's programs. Ours takes the config's own setting
+  (``auto`` for ``never``) and overrides."""
+  setting = cfg.parallelism.collective_matmul
+  out = {'parallelism.tune': 'model', 'hardware.name': chip,
+         'parallelism.collective_matmul': variant.collective_matmul or (
+             setting if setting != 'never' else 'auto')}
+  if variant.collective_matmul:
+    out['parallelism.layer_overrides'] = ''
+  return cfg.replace(out)
+
+
 def worker(args, overrides) -> int:
   """Compiles one variant and writes its result as JSON to ``args.out``."""
   variant = VARIANTS[args.worker]
-  cfg = config_lib.load(args.config, overrides)
   chip_kind, _ = parse_topology(args.topology)
-  setting = cfg.parallelism.collective_matmul
-  cfg = cfg.replace({'parallelism.tune': 'model',  # nothing here runs: the cost model plans
-                     'hardware.name': chip_kind.name,
-                     'parallelism.collective_matmul': variant.collective_matmul or (
-                         setting if setting != 'never' else 'auto')})
+  cfg = variant_config(config_lib.load(args.config, overrides), variant, chip_kind.name)
   cfg = validation.resolve_attention(cfg, 'tpu')  # load() refused what cannot run there
   out = {'variant': variant.name, 'description': variant.description,
          'collective_matmul': cfg.parallelism.collective_matmul,

@@ -560,3 +560,16 @@ def test_ratio_bands_pair_each_setting_and_take_the_faster_comparator():
     aot.ratio_bands(modeled)
   text = '\n'.join(aot.band_lines(modeled))
   assert 'ours / baseline 1.000 / 1.100 / 1.200' in text and 'min / median / max' in text
+
+
+def test_the_comparators_run_no_ring_that_layer_overrides_names():
+  # configs/v5p.py's 64B rings its weight gradients by layer_overrides: ours only; the
+  # baseline and xla ran them too (their programs were ours', 1.000x)
+  cfg = aot.config_lib.load(os.path.join(ROOT, 'configs', 'v5p.py:dense_64b'), [])
+  assert cfg.parallelism.layer_overrides == 'blocks.*=gradients'
+  for name in ('baseline', 'xla', 'maxtext'):
+    c = aot.variant_config(cfg, aot.VARIANTS[name], 'tpu_v5p')
+    assert (c.parallelism.collective_matmul, c.parallelism.layer_overrides) == ('never', '')
+  ours = aot.variant_config(cfg, aot.VARIANTS['ours'], 'tpu_v5p')
+  assert ours.parallelism.layer_overrides == 'blocks.*=gradients'
+  assert ours.parallelism.tune == 'model' and ours.hardware.name == 'tpu_v5p'
