@@ -1,4 +1,4 @@
-r"""Checks the step model against measured MFU: MaxText's published TPU v4 and v5p results.
+r"""Checks the step model against measured MFU: MaxText's published TPU v4, v5e and v5p results.
 
   python -m benchmarks.calibrate [--configs A.py,B.py] [--topology T] [--config.a.b=v ...]
                                  [--fit] [--tolerance 5] [--hlo_dir DIR] [--json]
@@ -27,8 +27,8 @@ for the smallest worst-row error over the rows compiled, re-reading the
 compiled programs, and prints them; the constants in parallelism/step_model.py
 are set from this output by hand. With more than one row it prints the leave-one-out
 error: each row's error when ``matmul_efficiency`` is fitted on the other rows alone.
-Without overrides MaxText's rows (its single-slice v4 runs, 22B and 52B, and v5p runs, 32B,
-64B, 128B, 256B and 512B) are written to docs/calibration.md with a
+Without overrides MaxText's rows (its single-slice v4 runs, 22B and 52B, its v5e 16B and its
+v5p runs, 32B, 64B, 128B, 256B and 512B) are written to docs/calibration.md with a
 plot (docs/calibration.png), and with the fit's result (searched then, ``--fit`` or not).
 
 The measured MFU is compared over the FLOPs our MFU counts: a row whose measurement
@@ -212,8 +212,8 @@ def compile_row(checked: tuple, overrides, progress: str) -> Row:
   ns, cfg, topology, chip, chips, _, info = checked
   path = ns.config
   print(f'[{progress}] {path}: compiling (one at a time)...', file=sys.stderr, flush=True)
-  r = aot.run_variant(ns, overrides, 'maxtext', topology,
-                      hardware.compiler_flags(chip, cfg.hardware.xla_flags))
+  flags = hardware.compiler_flags(chip, cfg.hardware.xla_flags)
+  r = aot.run_variant(ns, overrides, 'maxtext', topology, flags)
   if 'error' in r:
     raise RuntimeError(f"{path}: {r['error']}")
   if 'model' not in r:  # the compiler refused it (out of memory): nothing to model
@@ -229,7 +229,6 @@ def compile_row(checked: tuple, overrides, progress: str) -> Row:
             info['model_flops_per_step'] / chips, on_our_count(cfg),
             os.path.join(ns.hlo_dir, 'maxtext.hlo.txt'), r.get('coords'),
             r['memory']['total'] / aot.GIB, cfg.aot.measured_mfu)
-  flags = hardware.compiler_flags(chip, cfg.hardware.xla_flags)
   os.makedirs(ns.hlo_dir, exist_ok=True)
   with open(os.path.join(ns.hlo_dir, ROW_FILE), 'w', encoding='utf-8') as f:
     json.dump({'key': _program_key(cfg, topology, flags), 'row': dataclasses.asdict(row)}, f)
@@ -296,7 +295,8 @@ def leave_one_out(rows: list[Row]) -> dict:
   for r in rows:
     found = {k: v for k, v in search([o for o in rows if o is not r], LEFT_OUT_FIT).items()
              if k in LEFT_OUT_FIT}
-    out[_name(r.config)] = {'fitted': found, 'error_points': r.model(r.chip(found))['error_points']}
+    out[_name(r.config)] = {'fitted': found,
+                            'error_points': r.model(r.chip(found))['error_points']}
   return out
 
 
@@ -489,7 +489,8 @@ def write_doc(rows: list[Row], chip: step_model.Chip, fitted: dict | None,
            'Columns (all per chip, modeled): *matmul at fitted rate* is the program\'s matmul '
            'FLOPs at the fitted matmul rate; *memory-bound* is the rest of the compute time, '
            'instructions whose bytes over HBM bandwidth outlast their FLOPs (elementwise work, '
-           'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the schedule waits for transfers; '
+           'optimizer updates, windowed-einsum accumulators); *exposed comm* is time the '
+           'schedule waits for transfers; '
            "*program/model FLOPs* is the program's matmul FLOPs over the model's (6 per "
            'parameter and token plus attention), above 1 from recomputation (remat).', '',
            findings(rows, worst), '', same_shape_note(rows), '', alternative_note(rows), '',

@@ -19,8 +19,8 @@ Raw results go to docs/benchmarks/results.json, plots to docs/benchmarks/*.png.
 ``--only cpu`` (or ``aot``) re-measures one part and keeps the other from the
 previous results.json; ``--only aot --configs NAME ...`` re-measures those
 paper-scale configs only; ``--hlo_dir DIR`` keeps each config's compiled programs in
-``DIR/NAME``. Each part, and each paper-scale config, records the commit it was measured at. Re-running regenerates the same files from fresh
-measurements. Every run (``--render`` too) also rewrites the summary docs/results.md
+``DIR/NAME``. Each part, and each paper-scale config, records the commit it was measured
+at. Re-running regenerates the same files from fresh measurements. Every run (``--render`` too) also rewrites the summary docs/results.md
 shows between its ``SUMMARY_BEGIN`` and ``SUMMARY_END`` markers (``results_summary``).
 """
 

@@ -138,8 +138,8 @@ ALTERNATIVE = {'matmul_efficiency': 0.9, 'link_efficiency': 0.92}
 # (0.66: the calibration's other fit; 1.0: this fit), and HBM's (0.85: a DMA engine's
 # transfers competing with compute for it; 1.0: the data sheet), and a Pallas kernel's
 # block matmuls against XLA's (1.12: the Pallas matmul guide's 0.975 of peak over the
-# calibrated matmul efficiency, 0.87 when set, 0.88 now; 0.8: small blocks that fill the MXU worse than its table shows, no
-# public measurement; hardware.PALLAS_STEP_SECONDS).
+# calibrated matmul efficiency, 0.87 when set, 0.88 now; 0.8: small blocks that fill the
+# MXU worse than its table shows, no public measurement; hardware.PALLAS_STEP_SECONDS).
 BAND = {'step_latency': (2e-6, 5e-6, 10e-6), 'link_efficiency': (0.66, 0.8, 1.0),
         'hbm_efficiency': (0.85, 1.0), 'kernel_efficiency': (0.8, 1.0, 1.12)}
 
@@ -460,13 +460,13 @@ def links(ins: Instr, num_partitions: int, coords=None) -> frozenset:
     pairs = source_target_pairs(ins.attrs)
     if coords is None:
       return frozenset({('pairs',) + tuple(sorted(pairs))})
-    extents = np.array(coords).max(axis=0) + 1
+    extents = _extents(coords)
     hops = collections.Counter()
     for src, dst in pairs:
       for k, (a, b) in enumerate(zip(coords[src], coords[dst])):
-        d = (b - a) % extents[k]
-        if d:
-          hops[k, 1 if d <= extents[k] // 2 else -1] += 1
+        way, count = _shorter_way(a, b, extents[k])
+        if count:
+          hops[k, way] += 1
     most = max(hops.values(), default=0)
     return frozenset(link for link, n in hops.items() if n == most)
   group = first_group(ins.attrs, num_partitions)
@@ -475,6 +475,18 @@ def links(ins: Instr, num_partitions: int, coords=None) -> frozenset:
   points = np.array([coords[d] for d in group])
   return frozenset((k, sign) for k in range(points.shape[1])
                    if len(set(points[:, k])) > 1 for sign in (1, -1))
+
+
+def _extents(coords) -> list[int]:
+  """The torus's extent in each dimension, from the chips' coordinates."""
+  return [int(n) for n in np.array(coords).max(axis=0) + 1]
+
+
+def _shorter_way(a: int, b: int, n: int) -> tuple[int, int]:
+  """(direction +1 | -1, hops) from coordinate ``a`` to ``b`` the shorter way round a
+  dimension of extent ``n`` (+1 on a tie); ``(1, 0)`` where they are equal."""
+  d = (b - a) % n
+  return (1, d) if d <= n // 2 else (-1, n - d)
 
 
 def route(pairs, coords) -> tuple[int, int]:
@@ -486,13 +498,12 @@ def route(pairs, coords) -> tuple[int, int]:
   fixed cost per permute bounds (``BAND['step_latency']``). ``(1, 1)`` without coordinates."""
   if coords is None:
     return 1, 1
-  extents = [int(n) for n in np.array(coords).max(axis=0) + 1]
+  extents = _extents(coords)
   load, longest = collections.Counter(), 0
   for src, dst in pairs:
     at, hops = list(coords[src]), 0
     for k, n in enumerate(extents):
-      d = (coords[dst][k] - at[k]) % n
-      way, count = (1, d) if d <= n // 2 else (-1, n - d)
+      way, count = _shorter_way(at[k], coords[dst][k], n)
       for _ in range(count):
         load[tuple(at), k, way] += 1
         at[k] = (at[k] + way) % n

@@ -95,7 +95,9 @@ def get_v4_config(*, d_model: int, heads: int, mlp: int, layers: int, topology: 
   MaxText/configs/1xv4-128.sh and 1xv4-384.sh then): ``get_2023_config`` at sequence
   length 1024, pure FSDP over ``fsdp`` chips, plain XLA attention (no flash kernel then),
   and the one compiler flag those commands set. Its TFLOP/s counted 6 x parameters a
-  token, no attention (``measured_attention='none'``)."""
+  token, no attention (``measured_attention='none'``). Differences that remain: SwiGLU for
+  its ReLU MLP, synthetic tokens, and today's compiler (libtpu 0.0.42) where MaxText ran
+  2023's, whose own defaults have moved since; each row names its batch."""
   c = get_2023_config(d_model=d_model, heads=heads, mlp=mlp, layers=layers, topology=topology,
                       fsdp=fsdp, tensor=1, batch_per_chip=batch_per_chip, seq_len=1024,
                       measured_mfu=measured_mfu)

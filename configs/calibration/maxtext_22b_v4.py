@@ -4,13 +4,11 @@ configs' claims are made for.
 MaxText measured 156 TFLOP/s a chip, 56.7% MFU (its v4 README table since commit 281e04bf3,
 2023-04-27; command in MaxText/configs/1xv4-128.sh then: ici_fsdp_parallelism=64,
 per_device_batch_size=16, remat_policy=full, base_emb_dim=6144, base_num_heads=24,
-base_mlp_dim=24576, base_num_decoder_layers=48; configs/calibration/SOURCES.md 1A quotes
-both). The shared settings and the differences that remain are ``maxtext.get_v4_config``'s:
-SwiGLU of the same weights for its ReLU MLP, synthetic tokens, and today's compiler
-(libtpu 0.0.42) where MaxText ran 2023's; and 14 sequences a chip, not MaxText's 16: at
-16 our program needs 33.5 GiB per chip, above the 30.75 GiB a v4 chip gives one, at 14
-30.6 GiB, the largest batch that fits (``maxtext.get_config``). The compiler's own defaults
-have moved since 2023.
+base_mlp_dim=24576, base_num_decoder_layers=48;
+configs/calibration/SOURCES.md 1A quotes both). What the v4 rows share, and the differences
+that remain, are ``maxtext.get_v4_config``'s. Here 14 sequences a chip, not MaxText's 16: at 16
+our program needs 33.5 GiB per chip, above the 30.75 GiB a v4 chip gives one; at 14, 30.6 GiB, the
+largest batch that fits (``maxtext.get_config``).
 """
 
 from configs.calibration import maxtext
