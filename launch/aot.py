@@ -54,8 +54,11 @@ progress line (modeled step, fit). It prints a table and writes the plan of the 
 modeled program that fits to PATH (default ``./plan.json``, through a temporary file), with
 the command that trains with it (``python -m trainer.train --config ...
 --config.parallelism.plan=PATH``); ``launch.aot --variants ours
---config.parallelism.plan=PATH`` compiles that plan again. Ours only; not with ``--search``
-yet, ``--refine``, ``--schedule``, ``--hlo_dir`` or a ``parallelism.plan`` (exit 2).
+--config.parallelism.plan=PATH`` compiles that plan again. With ``--search`` it first
+searches layouts for ours (the best N by the estimates, as ``--search``), then tunes at the
+compiled layout with the highest modeled MFU that fits, whose overrides the printed command
+carries (2N compiles). Ours only; not with ``--refine``, ``--schedule``, ``--hlo_dir`` or a
+``parallelism.plan`` (exit 2).
 
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
@@ -171,12 +174,14 @@ def parse_args(argv):
   parser.add_argument('--tune', action='store_true',
                       help="compile ours under the planner's ring schedules and under each "
                            'one-field change of them, name the fastest modeled program that '
-                           'fits and write its plan to --plan_out (launch/search.py)')
+                           'fits and write its plan to --plan_out (launch/search.py); with '
+                           '--search, at the best layout the search compiles')
   parser.add_argument('--plan_out', default=plan_file.NAME,
                       help=f'with --tune: where the best plan goes (default ./{plan_file.NAME})')
   parser.add_argument('--max_compiles', type=int, default=6,
                       help='with --search: layouts to compile (default 6; 0: rank them only); '
-                           'with --tune: schedules to compile, the planner\'s first (default 6)')
+                           'with --tune: schedules to compile, the planner\'s first (default '
+                           '6); with both: N layouts, then N schedules')
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--flag_set', default='', help=argparse.SUPPRESS)
@@ -220,8 +225,7 @@ def load(args, overrides) -> tuple:
 def check_tune(args, cfg: Config, variants: list[str]) -> None:
   """What ``--tune`` cannot be combined with, and where its plan goes; ConfigError in one
   line before anything compiles."""
-  refused = [(args.search, '--search (layouts) is not supported with --tune yet'),
-             (args.refine, '--refine: give one of --tune and --refine'),
+  refused = [(args.refine, '--refine: give one of --tune and --refine'),
              (variants != ['ours'], f'--variants {args.variants!r}: --tune tunes the ours '
                                     'variant only (leave --variants out)'),
              (bool(args.schedule), '--schedule: --tune chooses the schedules itself'),
@@ -770,14 +774,16 @@ def main(argv=None) -> int:
     except ConfigError as e:
       print(f'error: {e}', file=sys.stderr)
       return 2
+  def compile_layout(extra, only=variants):
+    cfg_l, _, _, _, _, info_l = load(args, overrides + extra)
+    results = compile_variants(args, overrides + extra, cfg_l, topology, chip, only)
+    return None if isinstance(results, int) else summarize(
+        cfg_l, args.config, topology, chip, chips, info_l, results)
+  if args.tune and args.search:
+    return tune_layout(args, overrides, cfg, topology, chip, compile_layout)
   if args.tune:
     return tune(args, overrides, cfg, topology, chip, chips, info)
   if args.search or args.refine:
-    def compile_layout(extra, only=variants):
-      cfg_l, _, _, _, _, info_l = load(args, overrides + extra)
-      results = compile_variants(args, overrides + extra, cfg_l, topology, chip, only)
-      return None if isinstance(results, int) else summarize(
-          cfg_l, args.config, topology, chip, chips, info_l, results)
     if args.refine:
       return search.refine(cfg, variants, compile_layout)
     return search.run(args, overrides, cfg, topology, chip, topology_axes(topology)[1],
@@ -800,7 +806,22 @@ def main(argv=None) -> int:
   return 0
 
 
-def tune(args, overrides, cfg, topology, chip, chips, info) -> int:
+def tune_layout(args, overrides, cfg, topology, chip, compile_layout) -> int:
+  """``--tune --search``: the layout search for ours (``search.best_layout``, the first
+  ``--max_compiles`` layouts), then ``tune`` at the best layout that fits, its overrides
+  added to the command that trains with the plan. Exit status 1 where no layout fits."""
+  layout = search.best_layout(args.max_compiles, cfg, topology, chip,
+                              topology_axes(topology)[1], compile_layout)
+  if layout is None:
+    print(f'{args.plan_out} not written: ours fits at no compiled layout', file=sys.stderr)
+    return 1
+  overrides = overrides + layout.overrides
+  cfg, topology, chip, chips, _, info = load(args, overrides)
+  return tune(args, overrides, cfg, topology, chip, chips, info, where=str(layout))
+
+
+def tune(args, overrides, cfg, topology, chip, chips, info,
+         where: str = "the config's layout") -> int:
   """``--tune``: plans every candidate schedule of ``search.schedule_grid`` in one worker,
   compiles ours under each distinct plan (``search.tune``) and writes the best plan."""
   flags = (hardware.compiler_flags(chip, cfg.hardware.xla_flags), VARIANTS['ours'].flag_sets[0])
@@ -826,7 +847,7 @@ def tune(args, overrides, cfg, topology, chip, chips, info) -> int:
 
   shape = {a: d * i for a, (d, i) in mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips).items()}
   return search.tune(shape, args.max_compiles, plan_all, compile_one, write_plan,
-                     args.plan_out)
+                     args.plan_out, where)
 
 
 def compile_variants(args, overrides, cfg, topology, chip, variants) -> dict | int:

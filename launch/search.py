@@ -306,16 +306,27 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
         variants: list[str], compile_layout) -> int:
   """The search on the slice of axes ``physical``: prune, compile the best
   ``args.max_compiles``, print the table."""
+  rows = compile_ranked(args.max_compiles, cfg, topology, profile, physical, variants,
+                        compile_layout)
+  if rows:
+    print(table(rows, variants))
+  return 0
+
+
+def compile_ranked(max_compiles: int, cfg, topology: str, profile, physical: tuple[int, ...],
+                   variants: list[str], compile_layout) -> list:
+  """Ranks the layouts (``candidates``) and compiles the best ``max_compiles`` (0: prints
+  the ranking and compiles none), with progress; the rows of ``table``."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   chips = math.prod(physical)
   progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
   kept = candidates(cfg, chips, profile, progress, physical=physical)
   passed = f'{len(kept)} pass the checks and the memory estimate'
-  if not args.max_compiles:
+  if not max_compiles:
     progress(f'{passed}; compiling none')
     print(ranking(kept, profile.usable_hbm_bytes))
-    return 0
-  chosen = kept[:args.max_compiles]
+    return []
+  chosen = kept[:max_compiles]
   progress(f'{passed}; compiling the best {len(chosen)} by analytical MFU, '
            f'{len(variants)} variant(s) each')
   rows, start = [], time.perf_counter()
@@ -326,8 +337,20 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
     rows.append((layout, estimate, mfu, summary))
   progress(f'compiled {len(chosen)} layout(s) x {len(variants)} variant(s) in '
            f'{time.perf_counter() - start:.0f} s')
-  print(table(rows, variants))
-  return 0
+  return rows
+
+
+def best_layout(max_compiles: int, cfg, topology: str, profile, physical: tuple[int, ...],
+                compile_layout) -> Layout | None:
+  """``--tune --search``'s first half: the layout search for ours alone; prints its table
+  and returns the layout whose compiled program fits with the highest modeled MFU (None:
+  none fits)."""
+  rows = compile_ranked(max_compiles, cfg, topology, profile, physical, ['ours'],
+                        compile_layout)
+  if rows:
+    print(table(rows, ['ours']))
+  best = best_row(rows, 'ours')
+  return best and best[0]
 
 
 def refine(cfg, variants, compile_layout) -> int:
@@ -385,16 +408,16 @@ def plan_key(plan: dict) -> str:
 
 
 def tune(mesh_shape: dict, max_compiles: int, plan_all, compile_one, write_plan,
-         plan_out: str) -> int:
+         plan_out: str, where: str = "the config's layout") -> int:
   """``--tune``: plans every ``schedule_grid`` candidate (``plan_all``: their plan files,
   or an error line), compiles the first ``max_compiles`` distinct plans (``compile_one``:
   a summary with its ``plan``, or an error line), prints the table and the fastest
   modeled program that fits (of equals the first: the planner's before a change), and
-  writes its plan (``write_plan``: the command that trains with it). Exit status 1 where
-  nothing compiled fits."""
+  writes its plan (``write_plan``: the command that trains with it). ``where``: the layout,
+  for the progress line. Exit status 1 where nothing compiled fits."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   grid_ = schedule_grid(mesh_shape)
-  progress(f"tune ours' ring schedules at the config's layout: planning {len(grid_)} "
+  progress(f"tune ours' ring schedules at {where}: planning {len(grid_)} "
            "candidates (the planner's, one schedule field changed for every ring)")
   plans = plan_all(grid_)
   if isinstance(plans, str):

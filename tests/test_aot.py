@@ -59,8 +59,8 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
     (['--config', DENSE_10B, '--schedule', '{"layout": "tiled"}'],
      "layout='tiled' is not one of ('compiler', 'contiguous')"),
     (['--config', DENSE_10B, '--schedule', '[1]'], 'not a JSON object'),
-    (['--config', DENSE_10B, '--tune', '--search'],
-     '--search (layouts) is not supported with --tune yet'),
+    (['--config', DENSE_10B, '--tune', '--search', '--refine'],
+     '--refine: give one of --tune and --refine'),
     (['--config', DENSE_10B, '--tune', '--variants', 'baseline,xla'],
      "--variants 'baseline,xla': --tune tunes the ours variant only"),
     (['--config', DENSE_10B, '--tune', '--schedule', '{"unroll": 2}'],
@@ -420,6 +420,36 @@ def test_refine_sweeps_the_program_settings_at_the_config_layout(capsys):
   assert f'best for baseline: {fast} gradient_accumulators=any (65.0% modeled MFU)' in lines
   # ours is fastest with the accumulators 'any' there, but does not fit: 'sharded' does
   assert f'best for ours: {fast} gradient_accumulators=sharded (76.0% modeled MFU)' in lines
+
+
+def test_tune_with_search_tunes_at_the_best_layout_that_fits(monkeypatch, capsys):
+  """--tune --search (aot.tune_layout) with the compiles faked: the layout search compiles
+  ours alone at the best --max_compiles layouts by the estimates, and the schedules are
+  tuned at the compiled one with the highest modeled MFU that fits, its overrides added to
+  the command; where ours fits at none, nothing is tuned (exit 1)."""
+  args = argparse.Namespace(config=DENSE_10B, topology='v4:2x2x2', variants=None,
+                            search=True, refine=False, tune=True, schedule='',
+                            hlo_dir=None, max_compiles=3, plan_out='plan.json')
+  cfg, topology, chip, _, _, _ = aot.load(args, SMALL)
+  ranked = [c[0] for c in search.candidates(cfg, 8, chip, lambda _: None, (2, 2, 2))][:3]
+  gib = {ranked[0]: 40.0, ranked[1]: 20.0, ranked[2]: 10.0}  # the first does not fit
+  mfu = {ranked[0]: 0.6, ranked[1]: 0.4, ranked[2]: 0.5}
+  compiled, tuned = [], []
+
+  def compile_layout(extra):
+    layout = next(l for l in ranked if l.overrides == extra)
+    compiled.append(layout)
+    return _compiled({'ours': gib[layout]}, {'ours': mfu[layout]})
+
+  monkeypatch.setattr(aot, 'tune', lambda *a, where: tuned.append((a[1], where)) or 0)
+  assert aot.tune_layout(args, SMALL, cfg, topology, chip, compile_layout) == 0
+  assert compiled == ranked
+  assert tuned == [(SMALL + ranked[2].overrides, str(ranked[2]))]
+  assert f'best for ours: {ranked[2]} (50.0% modeled MFU)' in capsys.readouterr().out
+  gib.update({ranked[1]: 40.0, ranked[2]: 40.0})
+  assert aot.tune_layout(args, SMALL, cfg, topology, chip, compile_layout) == 1
+  assert 'plan.json not written: ours fits at no compiled layout' in capsys.readouterr().err
+  assert len(tuned) == 1
 
 
 def test_tune_compiles_each_distinct_plan_once_and_writes_the_fastest_that_fits(capsys):
