@@ -47,8 +47,9 @@ each prints one table and the best per variant (launch/search.py).
 
 ``--tune [--max_compiles N] [--plan_out PATH]`` tunes ours' ring schedules at the config's
 layout (``search.tune``): one worker plans ours under the planner's schedules (``{}``) and
-under each one-field change of them (each value of ``schedule.CHOICES``, ``unroll`` 1, 2 and
-the longest ring's steps), as ``--schedule`` sets them; candidates whose plans would compile
+under each one-field change of them (each choice of weight-gradient rings,
+``schedule.ACCUMULATORS``; each value of ``schedule.CHOICES``; ``unroll`` 1, 2 and the
+longest ring's steps), as ``--schedule`` sets them; candidates whose plans would compile
 the same are dropped, the first N distinct ones compiled (default 6; the rest named), each a
 progress line (modeled step, fit). It prints a table and writes the plan of the fastest
 modeled program that fits to PATH (default ``./plan.json``, through a temporary file), with

@@ -384,12 +384,14 @@ def refine(cfg, variants, compile_layout) -> int:
 
 def schedule_grid(mesh_shape: dict) -> list[dict]:
   """``--tune``'s candidates, as ``prefer`` settings every ring of ours takes where they
-  apply: the planner's own (``{}``), each schedule field at each of its values
-  (``schedule.CHOICES``) and the ring steps per loop iteration at 1, 2 and the longest
-  ring (no loop). One field at a time, so a table row says what its change did; those
+  apply: the planner's own (``{}``), each choice of weight-gradient rings
+  (``schedule.ACCUMULATORS``, the config's ``gradient_accumulators`` instead), each schedule
+  field at each of its values (``schedule.CHOICES``) and the ring steps per loop iteration
+  at 1, 2 and the longest ring (no loop). One field at a time, so a table row says what its change did; those
   that leave the plan as it was (the planner's own value) are dropped by ``plan_key``."""
   longest = max([n for n in mesh_shape.values()] + [1])
-  return ([{}] + [{key: value} for key, values in schedule.CHOICES.items() for value in values]
+  return ([{}] + [{'accumulators': value} for value in schedule.ACCUMULATORS]
+          + [{key: value} for key, values in schedule.CHOICES.items() for value in values]
           + [{'unroll': n} for n in sorted({1, 2, longest})])
 
 

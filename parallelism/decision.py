@@ -32,7 +32,7 @@ RING_DTYPES = ('compute', 'float32')
 # afterwards (fsdp): 'any' (the cost model's fastest form), or 'sharded' (no such ring: an
 # all-gather ring over the forward's axis whose accumulator is the local gradient whole
 # over fsdp; the gradient rings over fsdp or is one einsum, for models tight on memory).
-GRADIENT_ACCUMULATORS = ('any', 'sharded')
+GRADIENT_ACCUMULATORS = schedule.ACCUMULATORS
 # Which layers' gradients auto may ring (``explain``): only those whose forward rings, or
 # also those whose forward is left to the compiler (``_gradients_alone``).
 GRADIENT_RINGS = ('ringed_forward', 'any_forward')
@@ -115,13 +115,14 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
   """Decides how ``collective_einsum`` would run, without running it: the mode, the axis,
   the gradients' forms and each ring's schedule (``parallelism/schedule.py``; ``prefer``:
   schedule settings to use instead of the planner's, where they apply, as a plan file or
-  a test sets them).
+  a test sets them; its ``accumulators`` replaces ``gradient_accumulators``).
 
   Raises:
     ValueError: for an explicit mode that cannot be honoured, naming the specs, or a bad
       ``prefer``.
   """
   prefer = schedule.check_prefer(prefer)
+  gradient_accumulators = prefer.get('accumulators', gradient_accumulators)
   pairs = prefer.get('pairs')
   if mode == 'always' and 'direction' in prefer:
     mode = prefer['direction']

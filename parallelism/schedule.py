@@ -22,7 +22,8 @@ each of the eight paper programs models within 1% of its hand-set schedule or be
 any other setting to compare).
 Each rule's reason and the compiled programs it was checked on: docs/parallelism.md.
 A plan file (or a test) may set any field for a layer's rings (``prefer``): each ring takes
-it where it applies to that ring, as the report then shows.
+it where it applies to that ring, as the report then shows; ``accumulators`` sets which
+weight-gradient rings the planner may choose (``ACCUMULATORS``) instead of the config.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ CHOICES = {
     'gather': ('beside', 'before'),
     'layout': ('compiler', 'contiguous'),
 }
+# Which weight-gradient rings a plan may choose (``decision.explain``; the config's
+# ``parallelism.gradient_accumulators``, a plan's ``prefer`` instead): any | sharded (none
+# whose accumulator holds the gradient whole over an axis it is reduced over afterwards).
+ACCUMULATORS = ('any', 'sharded')
 # Ring steps per loop iteration where transfers overlap compute: a ring over at most
 # NO_LOOP_DEVICES runs with no loop (every step its own ops, no loop-carried copies of its
 # blocks), a longer one OVERLAPPED_UNROLL steps an iteration (the loop's block copies and some
@@ -92,9 +97,12 @@ def check_prefer(prefer: Mapping[str, Any] | None) -> dict:
     elif key == 'unroll':
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f'unroll={value!r} must be an integer of at least 1')
+    elif key == 'accumulators':
+      if value not in ACCUMULATORS:
+        raise ValueError(f'accumulators={value!r} is not one of {ACCUMULATORS}')
     elif key not in CHOICES:
       raise ValueError(f'{key!r} is not a ring schedule setting: direction, unroll, '
-                       f'{", ".join(CHOICES)}')
+                       f'accumulators, {", ".join(CHOICES)}')
     elif value not in CHOICES[key]:
       raise ValueError(f'{key}={value!r} is not one of {CHOICES[key]}')
   return prefer

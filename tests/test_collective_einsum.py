@@ -674,6 +674,11 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   # gradient whole over fsdp, is no candidate: the ring over fsdp is next best.
   d = gate_up(gradient_accumulators='sharded')
   assert d.backward_over == (None, (F, 'bidirectional')), d
+  # A plan's prefer sets it instead of the config (launch.aot --tune tries both).
+  assert gate_up(prefer={'accumulators': 'sharded'}) == d
+  assert gate_up(gradient_accumulators='sharded', prefer={'accumulators': 'any'}) == gate_up()
+  with pytest.raises(ValueError, match="accumulators='whole' is not one of"):
+    gate_up(prefer={'accumulators': 'whole'})
   with pytest.raises(ValueError, match="gradient_accumulators='whole'"):
     gate_up(gradient_accumulators='whole')
   # 64B's attn.qkv at 512 sequences: 1,280 columns a chip, so each of its 64 ring steps over
