@@ -306,17 +306,15 @@ def run(args, overrides, cfg, topology: str, profile, physical: tuple[int, ...],
         variants: list[str], compile_layout) -> int:
   """The search on the slice of axes ``physical``: prune, compile the best
   ``args.max_compiles``, print the table."""
-  rows = compile_ranked(args.max_compiles, cfg, topology, profile, physical, variants,
-                        compile_layout)
-  if rows:
-    print(table(rows, variants))
+  compile_ranked(args.max_compiles, cfg, topology, profile, physical, variants,
+                 compile_layout)
   return 0
 
 
 def compile_ranked(max_compiles: int, cfg, topology: str, profile, physical: tuple[int, ...],
                    variants: list[str], compile_layout) -> list:
-  """Ranks the layouts (``candidates``) and compiles the best ``max_compiles`` (0: prints
-  the ranking and compiles none), with progress; the rows of ``table``."""
+  """Ranks the layouts (``candidates``) and compiles the best ``max_compiles``, with
+  progress, and prints their table (0: prints the ranking and compiles none); the rows."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   chips = math.prod(physical)
   progress(f'search on {topology} ({chips} chips): {len(grid(cfg, chips))} layouts in the grid')
@@ -337,19 +335,16 @@ def compile_ranked(max_compiles: int, cfg, topology: str, profile, physical: tup
     rows.append((layout, estimate, mfu, summary))
   progress(f'compiled {len(chosen)} layout(s) x {len(variants)} variant(s) in '
            f'{time.perf_counter() - start:.0f} s')
+  print(table(rows, variants))
   return rows
 
 
 def best_layout(max_compiles: int, cfg, topology: str, profile, physical: tuple[int, ...],
                 compile_layout) -> Layout | None:
-  """``--tune --search``'s first half: the layout search for ours alone; prints its table
-  and returns the layout whose compiled program fits with the highest modeled MFU (None:
-  none fits)."""
-  rows = compile_ranked(max_compiles, cfg, topology, profile, physical, ['ours'],
-                        compile_layout)
-  if rows:
-    print(table(rows, ['ours']))
-  best = best_row(rows, 'ours')
+  """``--tune --search``'s first half: the layout search for ours alone (its table
+  printed); the layout whose compiled program fits with the highest modeled MFU, or None."""
+  best = best_row(compile_ranked(max_compiles, cfg, topology, profile, physical, ['ours'],
+                                 compile_layout), 'ours')
   return best and best[0]
 
 
@@ -387,8 +382,9 @@ def schedule_grid(mesh_shape: dict) -> list[dict]:
   apply: the planner's own (``{}``), each choice of weight-gradient rings
   (``schedule.ACCUMULATORS``, the config's ``gradient_accumulators`` instead), each schedule
   field at each of its values (``schedule.CHOICES``) and the ring steps per loop iteration
-  at 1, 2 and the longest ring (no loop). One field at a time, so a table row says what its change did; those
-  that leave the plan as it was (the planner's own value) are dropped by ``plan_key``."""
+  at 1, 2 and the longest ring (no loop). One field at a time, so a table row says what its
+  change did; those that leave the plan as it was (the planner's own value) are dropped by
+  ``plan_key``."""
   longest = max([n for n in mesh_shape.values()] + [1])
   return ([{}] + [{'accumulators': value} for value in schedule.ACCUMULATORS]
           + [{key: value} for key, values in schedule.CHOICES.items() for value in values]

@@ -28,11 +28,6 @@ MODES = ('none', 'unidirectional', 'bidirectional', 'always', 'auto')
 # What a ring's partial sums travel and rest in: the compute dtype (bf16 for a bf16
 # model: half the bytes; each device still adds in fp32) or float32.
 RING_DTYPES = ('compute', 'float32')
-# Which weight-gradient rings may hold the gradient whole over an axis it is reduced over
-# afterwards (fsdp): 'any' (the cost model's fastest form), or 'sharded' (no such ring: an
-# all-gather ring over the forward's axis whose accumulator is the local gradient whole
-# over fsdp; the gradient rings over fsdp or is one einsum, for models tight on memory).
-GRADIENT_ACCUMULATORS = schedule.ACCUMULATORS
 # Which layers' gradients auto may ring (``explain``): only those whose forward rings, or
 # also those whose forward is left to the compiler (``_gradients_alone``).
 GRADIENT_RINGS = ('ringed_forward', 'any_forward')
@@ -144,9 +139,9 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
     raise ValueError(f'mode={mode!r} is not one of {MODES}')
   if ring_dtype not in RING_DTYPES:
     raise ValueError(f'ring_dtype={ring_dtype!r} is not one of {RING_DTYPES}')
-  if gradient_accumulators not in GRADIENT_ACCUMULATORS:
+  if gradient_accumulators not in schedule.ACCUMULATORS:
     raise ValueError(f'gradient_accumulators={gradient_accumulators!r} is not one of '
-                     f'{GRADIENT_ACCUMULATORS}')
+                     f'{schedule.ACCUMULATORS}')
   if gradient_rings not in GRADIENT_RINGS:
     raise ValueError(f'gradient_rings={gradient_rings!r} is not one of {GRADIENT_RINGS}')
   alone = gradient_rings == 'any_forward'
@@ -381,7 +376,7 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
   from the ring over tensor to the one over fsdp, 7.834 s a step against 7.773 s
   (modeled): the fsdp ring's 128 short steps cost more than the model says.
 
-  Under ``sharded`` (``GRADIENT_ACCUMULATORS``) an all-gather ring over the forward's
+  Under ``sharded`` (``schedule.ACCUMULATORS``) an all-gather ring over the forward's
   axis is no candidate where the gradient is reduced over another axis afterwards: its
   accumulator would hold the gradient whole over that axis.
 

@@ -39,9 +39,11 @@ CHOICES = {
     'gather': ('beside', 'before'),
     'layout': ('compiler', 'contiguous'),
 }
-# Which weight-gradient rings a plan may choose (``decision.explain``; the config's
-# ``parallelism.gradient_accumulators``, a plan's ``prefer`` instead): any | sharded (none
-# whose accumulator holds the gradient whole over an axis it is reduced over afterwards).
+# Which weight-gradient rings the planner may choose (``decision.explain``; the config's
+# ``parallelism.gradient_accumulators``, a plan's ``prefer`` instead): 'any' (the cost
+# model's fastest form) or 'sharded' (no ring whose accumulator holds the gradient whole
+# over an axis it is reduced over afterwards, fsdp: the gradient rings over fsdp or is one
+# einsum).
 ACCUMULATORS = ('any', 'sharded')
 # Ring steps per loop iteration where transfers overlap compute: a ring over at most
 # NO_LOOP_DEVICES runs with no loop (every step its own ops, no loop-carried copies of its
@@ -88,7 +90,7 @@ class RingFacts(NamedTuple):
 
 def check_prefer(prefer: Mapping[str, Any] | None) -> dict:
   """``prefer`` (field -> value) checked: ValueError naming the first bad key or value."""
-  prefer = dict(prefer or {})
+  prefer, values = dict(prefer or {}), {'accumulators': ACCUMULATORS, **CHOICES}
   for key, value in prefer.items():
     if key == 'direction':  # an 'always' layer's rings (decision.explain)
       if value not in ('unidirectional', 'bidirectional'):
@@ -97,14 +99,11 @@ def check_prefer(prefer: Mapping[str, Any] | None) -> dict:
     elif key == 'unroll':
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f'unroll={value!r} must be an integer of at least 1')
-    elif key == 'accumulators':
-      if value not in ACCUMULATORS:
-        raise ValueError(f'accumulators={value!r} is not one of {ACCUMULATORS}')
-    elif key not in CHOICES:
+    elif key not in values:
       raise ValueError(f'{key!r} is not a ring schedule setting: direction, unroll, '
-                       f'accumulators, {", ".join(CHOICES)}')
-    elif value not in CHOICES[key]:
-      raise ValueError(f'{key}={value!r} is not one of {CHOICES[key]}')
+                       f'{", ".join(values)}')
+    elif value not in values[key]:
+      raise ValueError(f'{key}={value!r} is not one of {values[key]}')
   return prefer
 
 

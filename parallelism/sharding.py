@@ -25,7 +25,7 @@ from models.ops import Axes, Ops, saved
 from parallelism import mesh as mesh_lib
 from parallelism import moe, plan_file, schedule
 from parallelism.collective_einsum import ring_order_fits, run_decision
-from parallelism.decision import GRADIENT_ACCUMULATORS, RING_DTYPES, explain
+from parallelism.decision import RING_DTYPES, explain
 from parallelism.einsum_plan import axes_of, spec_entry
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -149,7 +149,7 @@ class MatmulPolicy:
 
   def validate(self) -> None:
     choices = {'collective_matmul': COLLECTIVE_MATMUL, 'ring_dtype': RING_DTYPES,
-               'gradient_accumulators': GRADIENT_ACCUMULATORS}
+               'gradient_accumulators': schedule.ACCUMULATORS}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
