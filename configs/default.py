@@ -134,9 +134,6 @@ def get_config() -> ml_collections.ConfigDict:
   # Partial sums on the wire and between ring steps (rings, and the compiler's collectives
   # of plain einsums): compute (the model's dtype; each device adds in fp32) | float32.
   c.parallelism.ring_dtype = 'compute'
-  # Weight-gradient rings under 'auto': any (the cost model's fastest form) | sharded (none
-  # whose accumulator holds the gradient whole over fsdp: less memory, for tight models).
-  c.parallelism.gradient_accumulators = 'any'
   # Layers that run otherwise than collective_matmul says: 'PATTERN=FORM,...', each pattern
   # a layer path as the parallelism report names it (* matches any part), FORM auto | ring |
   # plain | gradients (auto, and a weight gradient may ring alone beside a plain forward).

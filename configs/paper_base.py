@@ -8,9 +8,18 @@ run of its own (its model is default.py's, its mesh and slice unset); it
 converts and validates like any config (tests/test_config.py).
 """
 
+import os
+
 import ml_collections
 
 from configs import default
+
+
+def plan_path(name: str) -> str:
+  """configs/plans/NAME.json, a plan file ``launch.aot --tune`` wrote for a paper config's
+  layout (a plan is one layout's: a config that changes the layout sets ``parallelism.plan``
+  again, '' to plan anew)."""
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plans', f'{name}.json')
 
 
 def get_config() -> ml_collections.ConfigDict:

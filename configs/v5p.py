@@ -31,10 +31,10 @@ LAYOUTS = {
                   'parallelism.layer_overrides': 'blocks.*=gradients'},
     # Without the scan and optimizer settings v4's memory needs.
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
-                   'model.cast_in_loop': False, 'parallelism.gradient_accumulators': 'any',
+                   'model.cast_in_loop': False, 'parallelism.plan': '',
                    'optimizer.mu_dtype': 'param', 'optimizer.nu_dtype': 'param'},
     'moe_1t': {'batch_size': 2048, 'model.remat': 'minimal',
-               'hardware.xla_flags': ALL_REDUCE_FLAGS},
+               'hardware.xla_flags': ALL_REDUCE_FLAGS, 'parallelism.plan': ''},
 }
 
 

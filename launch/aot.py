@@ -42,7 +42,7 @@ parallelism/hardware.py), as a user would train:
 
 ``--search`` sweeps layouts for the slice (mesh sizes, tokens per chip, remat) and
 ``--refine`` the program settings the search does not, at the config's layout
-(``model.scan_unroll``, ``model.cast_in_loop``, ``parallelism.gradient_accumulators``):
+(``model.scan_unroll``, ``model.cast_in_loop``):
 each prints one table and the best per variant (launch/search.py).
 
 ``--tune [--max_compiles N] [--plan_out PATH]`` tunes ours' ring schedules at the config's
@@ -58,8 +58,8 @@ the command that trains with it (``python -m trainer.train --config ...
 --config.parallelism.plan=PATH`` compiles that plan again. With ``--search`` it first
 searches layouts for ours (the best N by the estimates, as ``--search``), then tunes at the
 compiled layout with the highest modeled MFU that fits, whose overrides the printed command
-carries (2N compiles). Ours only; not with ``--refine``, ``--schedule``, ``--hlo_dir`` or a
-``parallelism.plan`` (exit 2).
+carries (2N compiles). It plans anew: a config's ``parallelism.plan`` is not read (a line
+says so). Ours only; not with ``--refine``, ``--schedule`` or ``--hlo_dir`` (exit 2).
 
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
@@ -166,8 +166,8 @@ def parse_args(argv):
   parser.add_argument('--refine', action='store_true',
                       help="compile the config's layout under each combination of the "
                            'program settings --search does not sweep (model.scan_unroll, '
-                           'model.cast_in_loop, parallelism.gradient_accumulators) and name '
-                           'the best per variant (launch/search.py)')
+                           'model.cast_in_loop) and name the best per variant '
+                           '(launch/search.py)')
   parser.add_argument('--schedule', default='',
                       help='ring schedule settings as JSON that every ring of ours takes where '
                            "they apply, instead of the planner's (parallelism/schedule.py), "
@@ -230,8 +230,6 @@ def check_tune(args, cfg: Config, variants: list[str]) -> None:
              (variants != ['ours'], f'--variants {args.variants!r}: --tune tunes the ours '
                                     'variant only (leave --variants out)'),
              (bool(args.schedule), '--schedule: --tune chooses the schedules itself'),
-             (bool(cfg.parallelism.plan), 'parallelism.plan: --tune makes a plan; it does '
-                                          'not start from one'),
              (bool(args.hlo_dir), '--hlo_dir is not supported with --tune'),
              (args.max_compiles < 1, f'--max_compiles {args.max_compiles}: --tune compiles '
                                      "at least the planner's schedule (1)")]
@@ -280,13 +278,14 @@ def variant_config(cfg, variant: Variant, chip: str):
   here to measure). A comparator (``collective_matmul`` set: ``never``) runs every dense
   layer as the compiler does, ``layer_overrides`` included: an override naming rings would
   put ours' rings into the baseline and XLA's programs. Ours takes the config's own setting
-  (``auto`` for ``never``) and overrides."""
+  (``auto`` for ``never``), overrides and plan file (a comparator plans none)."""
   setting = cfg.parallelism.collective_matmul
   out = {'parallelism.tune': 'model', 'hardware.name': chip,
          'parallelism.collective_matmul': variant.collective_matmul or (
              setting if setting != 'never' else 'auto')}
   if variant.collective_matmul:
     out['parallelism.layer_overrides'] = ''
+    out['parallelism.plan'] = ''
   return cfg.replace(out)
 
 
@@ -780,6 +779,11 @@ def main(argv=None) -> int:
     results = compile_variants(args, overrides + extra, cfg_l, topology, chip, only)
     return None if isinstance(results, int) else summarize(
         cfg_l, args.config, topology, chip, chips, info_l, results)
+  if args.tune and cfg.parallelism.plan:  # a plan is --tune's output, never its start
+    print(f'--tune plans anew: parallelism.plan={cfg.parallelism.plan!r} is not read',
+          file=sys.stderr)
+    overrides = overrides + ['--config.parallelism.plan=']
+    cfg = cfg.replace({'parallelism.plan': ''})
   if args.tune and args.search:
     return tune_layout(args, overrides, cfg, topology, chip, compile_layout)
   if args.tune:
@@ -842,8 +846,9 @@ def tune(args, overrides, cfg, topology, chip, chips, info,
 
   def write_plan(plan):
     plan_file.write(args.plan_out, plan)
+    kept = [o for o in overrides if not o.startswith('--config.parallelism.plan=')]
     return ' '.join(shlex.quote(a) for a in (
-        'python', '-m', 'trainer.train', '--config', args.config, *overrides,
+        'python', '-m', 'trainer.train', '--config', args.config, *kept,
         f'--config.parallelism.plan={args.plan_out}'))
 
   shape = {a: d * i for a, (d, i) in mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips).items()}

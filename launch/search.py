@@ -53,10 +53,10 @@ estimate / compiled): 500B fsdp=128 x tensor=8 at 256 sequences, ``save_dot_exce
 28.9 / 28.10, ``minimal`` 31.3 / 29.98 (ours). That ``minimal`` estimate is above the
 usable 30.75 but within the margin, so the search keeps that layout (before the margin it
 skipped it, though it fits). The grid does not sweep what ``configs/dense_500b.py`` adds to that
-``minimal`` layout (two layers a scan iteration, the casts in the scan,
-``parallelism.gradient_accumulators='sharded'``: 30.74 compiled, 8.017 s); ``--refine``
-(``refine``) compiles a layout under every combination of those settings and finds them
-best for every variant there. Before the layers' gradients stayed bf16 (2 bytes a layer parameter
+``minimal`` layout (two layers a scan iteration, the casts in the scan, and its plan
+file's weight-gradient rings: 30.74 compiled, 8.017 s); ``--refine`` (``refine``) compiles
+a layout under every combination of the first two and finds them best for every variant
+there, ``--tune`` ours' plan. Before the layers' gradients stayed bf16 (2 bytes a layer parameter
 less, estimated and compiled): 500B 29.8 / 29.54 and 32.2 / 31.3; 64B data=8 x fsdp=64 at
 1,024 sequences, ``full``, 29.6 / 32.58 (25.8, 28.1 and 26.7 when the estimate charged the
 whole attention logits whatever the kernel and had neither of the last two terms). That
@@ -98,7 +98,8 @@ class Layout:
   def overrides(self) -> list[str]:
     return [f'--config.mesh.data={self.data}', f'--config.mesh.fsdp={self.fsdp}',
             f'--config.mesh.tensor={self.tensor}', f'--config.batch_size={self.batch_size}',
-            f'--config.model.remat={self.remat}', '--config.mesh.expert=1']
+            f'--config.model.remat={self.remat}', '--config.mesh.expert=1',
+            '--config.parallelism.plan=']  # a plan file is one layout's: each is planned
 
   def __str__(self) -> str:
     return (f'data={self.data} fsdp={self.fsdp} tensor={self.tensor} '
@@ -113,12 +114,10 @@ class Knobs:
   """Program settings ``--refine`` sweeps at one layout (the grid above does not)."""
   scan_unroll: int
   cast_in_loop: bool
-  gradient_accumulators: str
 
   @property
   def changes(self) -> dict:
-    return {'model.scan_unroll': self.scan_unroll, 'model.cast_in_loop': self.cast_in_loop,
-            'parallelism.gradient_accumulators': self.gradient_accumulators}
+    return {'model.scan_unroll': self.scan_unroll, 'model.cast_in_loop': self.cast_in_loop}
 
   @property
   def overrides(self) -> list[str]:
@@ -128,15 +127,12 @@ class Knobs:
     return ' '.join(f'{key.split(".")[-1]}={value}' for key, value in self.changes.items())
 
 
-def knob_grid(cfg, variants) -> list[Knobs]:
+def knob_grid(cfg) -> list[Knobs]:
   """Every combination ``--refine`` tries: one or two layers per scan iteration (with
-  ``model.scan_layers``), the weights' casts outside or inside the scan, and,
-  where ``ours`` is compiled, both weight-gradient accumulator settings (the baseline's
-  and xla's programs have no rings: the setting leaves them unchanged)."""
+  ``model.scan_layers``) and the weights' casts outside or inside the scan (ours' ring
+  schedules, the weight-gradient rings among them, are ``--tune``'s)."""
   unrolls = [1, 2] if cfg.model.scan_layers else [1]
-  accumulators = (['any', 'sharded'] if 'ours' in variants
-                  else [cfg.parallelism.gradient_accumulators])
-  return [Knobs(*k) for k in itertools.product(unrolls, (False, True), accumulators)]
+  return [Knobs(*k) for k in itertools.product(unrolls, (False, True))]
 
 
 def grid(cfg, chips: int) -> list[Layout]:
@@ -351,9 +347,13 @@ def best_layout(max_compiles: int, cfg, topology: str, profile, physical: tuple[
 def refine(cfg, variants, compile_layout) -> int:
   """``--refine``: compiles the config's layout under every ``knob_grid`` combination
   (each valid one; a combination the model refuses is skipped with its reason) and prints
-  the table, the best combination per variant among those where its program fits."""
+  the table, the best combination per variant among those where its program fits. Ours
+  runs the config's plan file at the config's own settings and is planned anew at the
+  others (a plan is one program's)."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
-  grid_ = knob_grid(cfg, variants)
+  grid_ = knob_grid(cfg)
+  own = Knobs(cfg.model.scan_unroll, cfg.model.cast_in_loop)
+  anew = lambda knobs: [] if knobs == own else ['--config.parallelism.plan=']
   chosen = []
   for knobs in grid_:
     try:
@@ -365,12 +365,9 @@ def refine(cfg, variants, compile_layout) -> int:
            f'{len(variants)} variant(s) each')
   rows, compiles, start = [], 0, time.perf_counter()
   for i, knobs in enumerate(chosen):
-    # The accumulators change only ours' program: the others are compiled at the first.
-    only = (variants if knobs.gradient_accumulators == grid_[0].gradient_accumulators
-            else ['ours'])
-    progress(f'[{i + 1}/{len(chosen)}] {knobs} ({", ".join(only)})')
-    rows.append((knobs, None, None, compile_layout(knobs.overrides, only)))
-    compiles += len(only)
+    progress(f'[{i + 1}/{len(chosen)}] {knobs}')
+    rows.append((knobs, None, None, compile_layout(knobs.overrides + anew(knobs), variants)))
+    compiles += len(variants)
   progress(f'compiled {len(chosen)} setting(s), {compiles} program(s), in '
            f'{time.perf_counter() - start:.0f} s')
   print(table(rows, variants, what='setting'))
@@ -380,7 +377,7 @@ def refine(cfg, variants, compile_layout) -> int:
 def schedule_grid(mesh_shape: dict) -> list[dict]:
   """``--tune``'s candidates, as ``prefer`` settings every ring of ours takes where they
   apply: the planner's own (``{}``), each choice of weight-gradient rings
-  (``schedule.ACCUMULATORS``, the config's ``gradient_accumulators`` instead), each schedule
+  (``schedule.ACCUMULATORS``), each schedule
   field at each of its values (``schedule.CHOICES``) and the ring steps per loop iteration
   at 1, 2 and the longest ring (no loop). One field at a time, so a table row says what its
   change did; those that leave the plan as it was (the planner's own value) are dropped by

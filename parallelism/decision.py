@@ -104,27 +104,26 @@ class Decision:
 
 
 def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, out_spec,
-            mode='auto', hardware=None, ring_dtype='compute',
-            gradient_accumulators='any', gradient_rings='ringed_forward',
+            mode='auto', hardware=None, ring_dtype='compute', gradient_rings='ringed_forward',
             prefer: Mapping[str, Any] | None = None) -> Decision:
   """Decides how ``collective_einsum`` would run, without running it: the mode, the axis,
   the gradients' forms and each ring's schedule (``parallelism/schedule.py``; ``prefer``:
   schedule settings to use instead of the planner's, where they apply, as a plan file or
-  a test sets them; its ``accumulators`` replaces ``gradient_accumulators``).
+  a test sets them; its ``accumulators``, ``schedule.ACCUMULATORS``, 'any' unless set).
 
   Raises:
     ValueError: for an explicit mode that cannot be honoured, naming the specs, or a bad
       ``prefer``.
   """
   prefer = schedule.check_prefer(prefer)
-  gradient_accumulators = prefer.get('accumulators', gradient_accumulators)
+  accumulators = prefer.get('accumulators', 'any')
   pairs = prefer.get('pairs')
   if mode == 'always' and 'direction' in prefer:
     mode = prefer['direction']
   overlapped = (hardware if isinstance(hardware, hw.HardwareProfile) else hw.get_profile(
       hardware or cost_model.DEFAULT_HARDWARE)).async_collectives
   decision = _decide(equation, lhs_shape, rhs_shape, dtype, mesh, (lhs_spec, rhs_spec, out_spec),
-                     mode, hardware, ring_dtype, gradient_accumulators, gradient_rings,
+                     mode, hardware, ring_dtype, accumulators, gradient_rings,
                      pairs or ('apart' if overlapped else 'joined'), overlapped)
   return with_schedules(decision, lhs_shape, rhs_shape, mesh=mesh, lhs_spec=lhs_spec,
                         rhs_spec=rhs_spec, out_spec=out_spec, hardware=hardware, prefer=prefer,
@@ -132,16 +131,13 @@ def explain(equation, lhs_shape, rhs_shape, dtype, *, mesh, lhs_spec, rhs_spec, 
 
 
 def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardware, ring_dtype,
-            gradient_accumulators, gradient_rings, gather_pairs, overlapped) -> Decision:
+            accumulators, gradient_rings, gather_pairs, overlapped) -> Decision:
   """``explain``'s mode, axis and gradient forms, before the rings' schedules."""
   lhs_spec, rhs_spec, out_spec = all_specs
   if mode not in MODES:
     raise ValueError(f'mode={mode!r} is not one of {MODES}')
   if ring_dtype not in RING_DTYPES:
     raise ValueError(f'ring_dtype={ring_dtype!r} is not one of {RING_DTYPES}')
-  if gradient_accumulators not in schedule.ACCUMULATORS:
-    raise ValueError(f'gradient_accumulators={gradient_accumulators!r} is not one of '
-                     f'{schedule.ACCUMULATORS}')
   if gradient_rings not in GRADIENT_RINGS:
     raise ValueError(f'gradient_rings={gradient_rings!r} is not one of {GRADIENT_RINGS}')
   alone = gradient_rings == 'any_forward'
@@ -184,7 +180,7 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
       reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
                  'faster: the simpler ring)')
     rings, seconds = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                                     hardware, form, gradient_accumulators == 'sharded')
+                                     hardware, form, accumulators == 'sharded')
     backward = tuple('none' if r is None else 'ring' for r in rings)
     backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
                           for r in rings)
@@ -193,8 +189,8 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
         reason += f'; gradient of {which} as one einsum (its ring would be slower)'
       elif r is None:  # no ring was priced
         reason += f'; gradient of {which} as one einsum (no ring can run it' + (
-            ": under gradient_accumulators='sharded' not the one over "
-            f'{chosen.axis}' if gradient_accumulators == 'sharded' else '') + ')'
+            ": under accumulators='sharded' not the one over "
+            f'{chosen.axis}' if accumulators == 'sharded' else '') + ')'
       elif r[0] != chosen.axis:
         reason += _blocking(which, r)
       elif r[1] != choice:

@@ -39,11 +39,10 @@ CHOICES = {
     'gather': ('beside', 'before'),
     'layout': ('compiler', 'contiguous'),
 }
-# Which weight-gradient rings the planner may choose (``decision.explain``; the config's
-# ``parallelism.gradient_accumulators``, a plan's ``prefer`` instead): 'any' (the cost
-# model's fastest form) or 'sharded' (no ring whose accumulator holds the gradient whole
-# over an axis it is reduced over afterwards, fsdp: the gradient rings over fsdp or is one
-# einsum).
+# Which weight-gradient rings the planner may choose (``decision.explain``, from a plan's
+# ``prefer``; ``launch.aot --tune`` compiles both): 'any' (the cost model's fastest form, the
+# planner's own) or 'sharded' (no ring whose accumulator holds the gradient whole over an
+# axis it is reduced over afterwards, fsdp: the gradient rings over fsdp or is one einsum).
 ACCUMULATORS = ('any', 'sharded')
 # Ring steps per loop iteration where transfers overlap compute: a ring over at most
 # NO_LOOP_DEVICES runs with no loop (every step its own ops, no loop-carried copies of its

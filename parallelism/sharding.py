@@ -136,7 +136,6 @@ class MatmulPolicy:
   collective_matmul: str = 'auto'       # auto | always | never
   hardware: str = 'cpu'                 # profile the cost model and the schedule use
   ring_dtype: str = 'compute'           # rings' partial sums (wire, between steps): compute | float32
-  gradient_accumulators: str = 'any'    # any | sharded (no gradient ring holding it whole over fsdp)
   layer_overrides: tuple[tuple[str, str], ...] = ()  # (layer path pattern, LAYER_FORMS)
   prefer: tuple[tuple[str, Any], ...] = ()  # schedule fields for every ring (schedule.py)
 
@@ -144,12 +143,11 @@ class MatmulPolicy:
   def from_config(cls, cfg: Any) -> 'MatmulPolicy':
     """``parallelism.*`` plus ``hardware.name``, the profile the cost model uses."""
     p = cfg.parallelism
-    return cls(p.collective_matmul, cfg.hardware.name, p.ring_dtype, p.gradient_accumulators,
+    return cls(p.collective_matmul, cfg.hardware.name, p.ring_dtype,
                parse_overrides(p.layer_overrides))
 
   def validate(self) -> None:
-    choices = {'collective_matmul': COLLECTIVE_MATMUL, 'ring_dtype': RING_DTYPES,
-               'gradient_accumulators': schedule.ACCUMULATORS}
+    choices = {'collective_matmul': COLLECTIVE_MATMUL, 'ring_dtype': RING_DTYPES}
     for key, allowed in choices.items():
       if getattr(self, key) not in allowed:
         raise ValueError(f'parallelism.{key}={getattr(self, key)!r} is not one of {allowed}')
@@ -250,7 +248,6 @@ class ShardedOps(Ops):
             equation, x.shape, w.shape, jnp.result_type(x.dtype, w.dtype), mesh=self.mesh,
             lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2], mode=mode,
             hardware=self.policy.hardware, ring_dtype=self.policy.ring_dtype,
-            gradient_accumulators=self.policy.gradient_accumulators,
             gradient_rings='any_forward' if alone else 'ringed_forward',
             prefer=dict(self.policy.prefer)),
         never='none', always='always', name=name))

@@ -45,7 +45,7 @@ def candidates(decision: Decision, shapes, specs, dtype, *, mesh, policy) -> dic
   out = {'planned': decision}
   kw = dict(mesh=mesh, lhs_spec=specs[0], rhs_spec=specs[1], out_spec=specs[2],
             hardware=policy.hardware, ring_dtype=policy.ring_dtype,
-            gradient_accumulators=policy.gradient_accumulators, prefer=dict(policy.prefer))
+            prefer=dict(policy.prefer))
   for mode in ('none', 'unidirectional', 'bidirectional'):
     try:
       d = explain(decision.equation, *shapes, dtype, mode=mode, **kw)

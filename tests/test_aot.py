@@ -65,8 +65,6 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
      "--variants 'baseline,xla': --tune tunes the ours variant only"),
     (['--config', DENSE_10B, '--tune', '--schedule', '{"unroll": 2}'],
      '--schedule: --tune chooses the schedules itself'),
-    (['--config', DENSE_10B, '--tune', '--config.parallelism.plan=plan.json'],
-     'parallelism.plan: --tune makes a plan'),
     (['--config', DENSE_10B, '--tune', '--max_compiles', '0'], '--max_compiles 0: --tune'),
     (['--config', DENSE_10B, '--tune', '--plan_out', '/no/such/dir/plan.json'],
      '--plan_out /no/such/dir/plan.json: cannot write a file there'),
@@ -314,14 +312,17 @@ def test_search_compiles_the_best_layouts_and_names_the_best():
 @needs_libtpu
 def test_tune_writes_the_plan_of_the_best_schedule(tmp_path, monkeypatch):
   """--tune on the small config, two compiles: plan.json reads back (plan_file.read), for
-  this mesh, and is the plan the winning candidate's schedule makes (planned again)."""
+  this mesh, and is the plan the winning candidate's schedule makes (planned again); a
+  config's plan file is not read (it plans anew, and says so)."""
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_PLATFORMS', 'XLA_FLAGS')}
-  out = tmp_path / 'plan.json'
+  out, old = tmp_path / 'plan.json', tmp_path / 'old.json'  # old.json: never read
   proc = subprocess.run(
       [sys.executable, '-m', 'launch.aot', '--config', DENSE_10B, '--topology', 'v4:2x2x2',
-       '--tune', '--max_compiles', '2', '--plan_out', str(out)] + SMALL,
+       '--tune', '--max_compiles', '2', '--plan_out', str(out),
+       f'--config.parallelism.plan={old}'] + SMALL,
       env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"--tune plans anew: parallelism.plan='{old}' is not read" in proc.stderr
   assert re.search(r"\[1/2\] the planner's: modeled step [\d.]+ s, FITS", proc.stderr)
   assert 'not compiled (--max_compiles 2): ' in proc.stdout
   [best] = re.findall(r'best for ours: (.+?) \(', proc.stdout)
@@ -379,47 +380,48 @@ def test_search_table_judges_each_variant_by_its_own_memory():
 
 
 def test_refine_sweeps_the_program_settings_at_the_config_layout(capsys):
-  """--refine: every combination of the settings the search does not sweep, the baseline's
-  and xla's programs compiled once per (scan_unroll, cast_in_loop) since the accumulators
-  change only ours'; a combination the model refuses is skipped with its reason."""
+  """--refine: every combination of the settings the search does not sweep, each compiled
+  for every variant; a combination the model refuses is skipped with its reason, and the
+  best per variant is named among those where its program fits."""
   from launch import search  # pylint: disable=import-outside-toplevel
   from trainer import config as config_lib  # pylint: disable=import-outside-toplevel
   cfg = config_lib.load(os.path.join(ROOT, 'configs', 'dense_500b.py'), [])
   variants = ['baseline', 'ours']
-  assert len(search.knob_grid(cfg, variants)) == 8
-  assert {k.gradient_accumulators for k in search.knob_grid(cfg, ['baseline'])} == {'sharded'}
+  assert len(search.knob_grid(cfg)) == 4
   calls = []
 
   def compile_layout(overrides, only):
     calls.append((overrides, only))
     knobs = dict(o.removeprefix('--config.').split('=') for o in overrides)
     fast = knobs['model.scan_unroll'] == '2' and knobs['model.cast_in_loop'] == 'True'
-    sharded = knobs['parallelism.gradient_accumulators'] == 'sharded'
-    return _compiled({v: 31.1 if fast and v == 'ours' and not sharded else 30.7 for v in only},
-                     {v: 0.6 + 0.1 * (v == 'ours') + 0.05 * fast + 0.01 * sharded
+    cast = knobs['model.cast_in_loop'] == 'True'
+    return _compiled({v: 31.1 if fast and v == 'ours' else 30.7 for v in only},
+                     {v: 0.6 + 0.1 * (v == 'ours') + 0.05 * fast + 0.01 * cast
                       for v in only})
 
   odd = cfg.replace({'model.num_layers': 99})  # two layers an iteration cannot divide 99
   assert search.refine(odd, variants, compile_layout) == 0
-  assert [o for o, _ in calls] == [k.overrides for k in search.knob_grid(odd, variants)
-                                   if k.scan_unroll == 1]
+  # the config's plan file (none here) kept at its own settings, planned anew at the others
+  assert [o for o, _ in calls] == [
+      k.overrides + ([] if (k.scan_unroll, k.cast_in_loop) == (2, True)
+                     else ['--config.parallelism.plan='])
+      for k in search.knob_grid(odd) if k.scan_unroll == 1]
   err = capsys.readouterr().err
-  assert ('skip scan_unroll=2 cast_in_loop=False gradient_accumulators=any: '
-          'model.scan_unroll') in err
+  assert 'skip scan_unroll=2 cast_in_loop=False: model.scan_unroll' in err
   calls.clear()
   assert search.refine(cfg, variants, compile_layout) == 0
-  assert [only for _, only in calls] == [variants, ['ours']] * 4
+  assert [only for _, only in calls] == [variants] * 4
   out = capsys.readouterr()
-  assert 'refine at the config\'s layout: 8 of 8 settings' in out.err
-  assert re.search(r'compiled 8 setting\(s\), 12 program\(s\), in \d+ s', out.err)
+  assert 'refine at the config\'s layout: 4 of 4 settings' in out.err
+  assert re.search(r'compiled 4 setting\(s\), 8 program\(s\), in \d+ s', out.err)
   lines = out.out.splitlines()
   cells = lambda line: re.split(r'\s{2,}', line)
   assert cells(lines[0]) == ['setting', 'GiB/chip', 'fit', 'baseline MFU', 'ours MFU']
-  assert cells(lines[2])[1:] == ['30.7', 'FITS', 'not compiled', '71.0%']  # sharded: ours only
+  assert cells(lines[3])[1:] == ['30.7', 'FITS', '60.0%', '70.0%']  # unroll 2, no casts
   fast = 'scan_unroll=2 cast_in_loop=True'
-  assert f'best for baseline: {fast} gradient_accumulators=any (65.0% modeled MFU)' in lines
-  # ours is fastest with the accumulators 'any' there, but does not fit: 'sharded' does
-  assert f'best for ours: {fast} gradient_accumulators=sharded (76.0% modeled MFU)' in lines
+  assert f'best for baseline: {fast} (66.0% modeled MFU)' in lines
+  # ours is fastest there, but does not fit: the casts at one layer an iteration do
+  assert 'best for ours: scan_unroll=1 cast_in_loop=True (71.0% modeled MFU)' in lines
 
 
 def test_tune_with_search_tunes_at_the_best_layout_that_fits(monkeypatch, capsys):

@@ -52,8 +52,10 @@ TENSOR_4 = ['--config.mesh.data=2', '--config.mesh.tensor=4']  # 8 devices, a ri
     (['--config.optimizer.nu_dtype=fp8'],
      "optimizer.nu_dtype='fp8' is not one of param, float32, bfloat16"),
     (['--config.checkpoint.keep=0'], 'checkpoint.keep=0 must be >= 1'),
-    (['--config.parallelism.gradient_accumulators=all'],
-     "parallelism.gradient_accumulators='all' is not one of 'any', 'sharded'"),
+    (['--config.parallelism.tune=fast'],
+     "parallelism.tune='fast' is not one of 'auto', 'model', 'measure'"),
+    (['--config.parallelism.gradient_accumulators=sharded'],  # a plan's choice now
+     'unknown config key: config.parallelism.gradient_accumulators'),
     (['--config.parallelism.layer_overrides=unembed=flat'],
      "parallelism.layer_overrides: 'unembed=flat' is not PATTERN=FORM"),
     (['--config.parallelism.layer_overrides=blocks.*.mlp.gate_up=plain'],

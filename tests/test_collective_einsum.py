@@ -279,10 +279,10 @@ def test_a_gradient_no_ring_can_run_is_not_called_slower():
   batch = ('fsdp', 'expert')
   d = explain('btd,df->btf', (16, 2048, 8192), (8192, 8192), 'bfloat16', mesh=mesh,
               lhs_spec=P(batch, T, None), rhs_spec=P(batch, T), out_spec=P(batch, None, T),
-              hardware='tpu_v4', gradient_accumulators='sharded')
+              hardware='tpu_v4', prefer={'accumulators': 'sharded'})
   assert d.decomposed and d.backward[1] == 'none'
   assert d.reason.endswith("gradient of rhs as one einsum (no ring can run it: under "
-                           "gradient_accumulators='sharded' not the one over tensor)"), d.reason
+                           "accumulators='sharded' not the one over tensor)"), d.reason
 
 
 # ------------------------------------------------------------------ cost model
@@ -670,17 +670,14 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   assert d.axis == T and d.mode == 'unidirectional' and d.backward == ('ring', 'ring'), d
   assert d.backward_over == (None, (T, 'bidirectional')), d
   assert d.gradient(0) == 'ring' and d.gradient(1) == 'bidirectional over tensor', d
-  # Under gradient_accumulators='sharded' that ring, whose accumulator holds the [2, d, f/8]
-  # gradient whole over fsdp, is no candidate: the ring over fsdp is next best.
-  d = gate_up(gradient_accumulators='sharded')
+  # Under a plan's accumulators='sharded' (launch.aot --tune tries both) that ring, whose
+  # accumulator holds the [2, d, f/8] gradient whole over fsdp, is no candidate: the ring
+  # over fsdp is next best. 'any' is the planner's own.
+  d = gate_up(prefer={'accumulators': 'sharded'})
   assert d.backward_over == (None, (F, 'bidirectional')), d
-  # A plan's prefer sets it instead of the config (launch.aot --tune tries both).
-  assert gate_up(prefer={'accumulators': 'sharded'}) == d
-  assert gate_up(gradient_accumulators='sharded', prefer={'accumulators': 'any'}) == gate_up()
+  assert gate_up(prefer={'accumulators': 'any'}) == gate_up()
   with pytest.raises(ValueError, match="accumulators='whole' is not one of"):
     gate_up(prefer={'accumulators': 'whole'})
-  with pytest.raises(ValueError, match="gradient_accumulators='whole'"):
-    gate_up(gradient_accumulators='whole')
   # 64B's attn.qkv at 512 sequences: 1,280 columns a chip, so each of its 64 ring steps over
   # fsdp computes little, and copies its strided block of x ([8, 2048, 128]) first (compiled:
   # 4.588 s a step against 4.527 s for one einsum, modeled before links took turns); one

@@ -1,11 +1,15 @@
 """Paper-scale and accelerator configs, shape only: parameter counts, layouts, their slices."""
 
+import argparse
+import glob
+import importlib.util
+import json
 import os
 import re
 
 import pytest
 from benchmarks import report
-from launch import aot
+from launch import aot, search
 from models import attention
 from models.transformer import count_params
 from parallelism import mesh as mesh_lib
@@ -49,6 +53,29 @@ def test_runs_as_a_user_would_on_its_tpu_slice(name):
   sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)  # raises unless the mesh covers the slice
   assert sizes['fsdp'][1] > 1  # tensor may be 1 where the search found FSDP alone faster
   assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0
+
+
+def test_each_plan_file_is_a_paper_configs_own():
+  """configs/plans/ holds the plans launch.aot --tune wrote for paper configs: each
+  config's plan file is there, and each file there is some config's."""
+  plans = {name: _load(name).parallelism.plan for name in CONFIGS}
+  shipped = set(glob.glob(os.path.join(ROOT, 'configs', 'plans', '*.json')))
+  assert shipped and shipped == {p for p in plans.values() if p}, plans
+
+
+@pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu not installed')
+@pytest.mark.parametrize('name', ['dense_500b', 'moe_1t'])
+def test_a_plan_file_fits_its_config_on_its_slice(name, monkeypatch):
+  """Planned on its slice with its plan file read (launch.aot's worker, nothing compiled),
+  every layer of the config's model is in the plan as the plan has it: a change to the
+  model, the mesh or the planner's record that the plan no longer fits fails here."""
+  cfg = _load(name)
+  monkeypatch.delenv('XLA_FLAGS', raising=False)  # the workers' own, as launch.aot's
+  r = aot.run_worker(argparse.Namespace(config=report.config_arg(name)), [], 'ours',
+                     cfg.aot.topology, ('', ''), ['--candidates', '[{}]'])
+  assert 'error' not in r, r['error']
+  with open(cfg.parallelism.plan, encoding='utf-8') as f:
+    assert search.plan_key(r['plans'][0]) == search.plan_key(json.load(f))
 
 
 def test_v5p_names_a_bad_argument_once():

@@ -74,6 +74,7 @@ def test_a_plan_for_another_model_or_mesh_is_refused_in_one_line(trained, tmp_pa
   with pytest.raises(ConfigError) as e:
     _prepare(tmp_path, f'--config.parallelism.plan={workdir / "plan.json"}', *overrides)
   assert message in str(e.value) and '\n' not in str(e.value), e.value
+  assert str(e.value).endswith("(--config.parallelism.plan='' plans anew)"), e.value
 
 
 def test_a_resume_on_another_mesh_plans_anew_and_says_why(trained, tmp_path, capsys):

@@ -196,8 +196,6 @@ class Parallelism:
       'always | never')
   ring_dtype: Literal['compute', 'float32'] = _key(
       'compute', "partial sums on the wire: compute (the model's dtype; adds in fp32) | float32")
-  gradient_accumulators: Literal['any', 'sharded'] = _key(
-      'any', 'weight-gradient rings: any | sharded (none holding it whole over fsdp: less memory)')
   layer_overrides: str = _key('', "'PATTERN=FORM,...' (report's layer paths, * any part); "
                                   'FORM auto | ring | plain | gradients')
   plan: str = _key('', "a plan file to run instead of planning ('': plan; a resume runs "

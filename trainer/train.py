@@ -120,8 +120,10 @@ def _planned(cfg: Config, workdir: str, mesh, rules) -> AbstractModel:
   try:
     return model_for_mesh(cfg, mesh, rules, saved)
   except plan_file.PlanMismatch as e:
-    if cfg.parallelism.plan:
-      raise
+    if cfg.parallelism.plan:  # a paper config's tuned plan, say, under another layout
+      raise plan_file.PlanMismatch(f'parallelism.plan={cfg.parallelism.plan!r} does not fit '
+                                   f"this run: {e} (--config.parallelism.plan='' plans "
+                                   'anew)') from None
     if jax.process_index() == 0:
       print(f'plan: {os.path.join(workdir, plan_file.NAME)} does not fit this run ({e}); '
             'planning anew')
