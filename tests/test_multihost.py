@@ -33,10 +33,14 @@ def _launch(workdir, *overrides, processes=2, timeout=300):
   return done.returncode, done.stdout + done.stderr
 
 
-def _single(workdir, *overrides):
-  done = subprocess.run([*TRAIN, '--workdir', str(workdir), *RUN, *overrides], cwd=ROOT,
-                        env=_env(), capture_output=True, text=True, timeout=300, check=False)
-  return done.returncode, done.stdout + done.stderr
+def _single(capsys, workdir, *overrides):
+  """One process, 8 devices: trainer.train's main in this (pytest's) process, which skips a
+  new interpreter's imports; returns (status, output)."""
+  from trainer import train  # pylint: disable=import-outside-toplevel
+  capsys.readouterr()
+  code = train.main(['--config', DEFAULT, '--workdir', str(workdir), *RUN, *overrides])
+  out = capsys.readouterr()
+  return code, out.out + out.err
 
 
 def _losses(workdir):
@@ -44,9 +48,10 @@ def _losses(workdir):
     return {r['step']: r['loss'] for r in map(json.loads, f) if 'loss' in r}
 
 
-def test_checkpoints_move_between_two_processes_and_one(tmp_path):
+def test_checkpoints_move_between_two_processes_and_one(tmp_path, capsys):
   """Two processes train like one, and on a prepared corpus each run's checkpoint resumes in
-  the other, its shuffled batches continuing where the other run stopped."""
+  the other, its shuffled batches continuing where the other run stopped. The one-process
+  runs are trainer.train's main in this process (_single), the two-process ones launch.local."""
   from trainer import data, prepare  # pylint: disable=import-outside-toplevel
   corpus = str(tmp_path / 'corpus')
   assert prepare.main(['--input', *data.default_corpus_files()[:40], '--output', corpus,
@@ -56,9 +61,9 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
   assert code == 0, out
   assert '(2 process(es))' in out and '[p1]' in out
   assert os.path.exists(tmp_path / 'a' / 'logs' / 'process_1.log')
-  code, out = _single(tmp_path / 'a', *steps)  # written by 2 processes, resumed by 1
+  code, out = _single(capsys, tmp_path / 'a', *steps)  # written by 2 processes, resumed by 1
   assert code == 0 and 'resuming from step 3' in out, out
-  code, out = _single(tmp_path / 'b', *steps, '--config.stop_after=3')
+  code, out = _single(capsys, tmp_path / 'b', *steps, '--config.stop_after=3')
   assert code == 0, out
   code, out = _launch(tmp_path / 'b', *steps)  # written by 1 process, resumed by 2
   assert code == 0 and 'resuming from step 3' in out, out
