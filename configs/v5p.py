@@ -13,6 +13,8 @@ import importlib
 
 import ml_collections
 
+from configs import paper_base
+
 SLICES = {'dense_10b': 'v5p:4x4x8', 'dense_64b': 'v5p:8x8x8', 'dense_500b': 'v5p:8x8x16',
           'moe_1t': 'v5p:8x8x16'}
 
@@ -34,8 +36,10 @@ LAYOUTS = {
                    'model.cast_in_loop': False, 'parallelism.plan': '',
                    'optimizer.mu_dtype': 'param', 'optimizer.nu_dtype': 'param'},
     'moe_1t': {'batch_size': 2048, 'model.remat': 'minimal',
-               'hardware.xla_flags': ALL_REDUCE_FLAGS, 'parallelism.plan': ''},
+               'hardware.xla_flags': ALL_REDUCE_FLAGS,
+               'parallelism.plan': paper_base.plan_path('v5p_moe_1t')},
 }
+# A plan file is one layout's (configs/plans/README.md): v4's are not read on v5p.
 
 
 def get_config(name: str = 'dense_500b') -> ml_collections.ConfigDict:
