@@ -34,7 +34,6 @@ import time
 from typing import Any, Callable
 
 import jax
-from tensorboardX import SummaryWriter
 
 from models.transformer import TransformerConfig
 from trainer import compression
@@ -209,6 +208,9 @@ class MetricsWriter:
       return
     if self._begin:
       self._begin()
+    # Here, not at the top: tensorboardX imports torch (about 2 s), which only the process
+    # that writes the metrics needs, not the others, nor launch.aot's compile workers.
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     self._jsonl = open(os.path.join(self._workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
     self._tb = SummaryWriter(os.path.join(self._workdir, 'tb'))
     self.started = True
