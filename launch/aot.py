@@ -58,8 +58,8 @@ the command that trains with it (``python -m trainer.train --config ...
 --config.parallelism.plan=PATH`` compiles that plan again. With ``--search`` it first
 searches layouts for ours (the best N by the estimates, as ``--search``), then tunes at the
 compiled layout with the highest modeled MFU that fits, whose overrides the printed command
-carries (2N compiles). It plans anew: a config's ``parallelism.plan`` is not read (a line
-says so). Ours only; not with ``--refine``, ``--schedule`` or ``--hlo_dir`` (exit 2).
+carries (2N compiles). It plans anew, as ``--schedule`` does: a config's
+``parallelism.plan`` is not read (a line says so). Ours only; not with ``--refine``, ``--schedule`` or ``--hlo_dir`` (exit 2).
 
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
@@ -171,7 +171,8 @@ def parse_args(argv):
   parser.add_argument('--schedule', default='',
                       help='ring schedule settings as JSON that every ring of ours takes where '
                            "they apply, instead of the planner's (parallelism/schedule.py), "
-                           'e.g. \'{"unroll": 8, "additions": "fused"}\': to compare schedules')
+                           'e.g. \'{"unroll": 8, "additions": "fused"}\': to compare schedules '
+                           "(it plans anew: the config's parallelism.plan is not read)")
   parser.add_argument('--tune', action='store_true',
                       help="compile ours under the planner's ring schedules and under each "
                            'one-field change of them, name the fastest modeled program that '
@@ -779,9 +780,9 @@ def main(argv=None) -> int:
     results = compile_variants(args, overrides + extra, cfg_l, topology, chip, only)
     return None if isinstance(results, int) else summarize(
         cfg_l, args.config, topology, chip, chips, info_l, results)
-  if args.tune and cfg.parallelism.plan:  # a plan is --tune's output, never its start
-    print(f'--tune plans anew: parallelism.plan={cfg.parallelism.plan!r} is not read',
-          file=sys.stderr)
+  if (args.tune or args.schedule) and cfg.parallelism.plan:  # both plan; neither runs a plan
+    print(f"{'--tune' if args.tune else '--schedule'} plans anew: "
+          f'parallelism.plan={cfg.parallelism.plan!r} is not read', file=sys.stderr)
     overrides = overrides + ['--config.parallelism.plan=']
     cfg = cfg.replace({'parallelism.plan': ''})
   if args.tune and args.search:

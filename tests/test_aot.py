@@ -517,6 +517,22 @@ def test_plan_key_ignores_what_explains_a_decision():
   assert search.plan_key(layer('a', 2)) != search.plan_key(layer('a', 1))
 
 
+def test_schedule_plans_anew_and_says_so(monkeypatch, capsys):
+  """--schedule sets the planner's schedules, so a config's plan file (which would run
+  instead, the schedule silently unused) is not read, and a line says so."""
+  seen = []
+  monkeypatch.setattr(importlib.util, 'find_spec', lambda name: object())  # as if libtpu
+  monkeypatch.setattr(aot, 'compile_variants',
+                      lambda a, overrides, cfg, *rest: seen.append((overrides, cfg)) or 1)
+  plan = os.path.join(ROOT, 'configs', 'plans', 'moe_1t.json')
+  assert aot.main(['--config', DENSE_10B, '--variants', 'ours', '--schedule', '{"unroll": 2}',
+                   f'--config.parallelism.plan={plan}']) == 1
+  [(overrides, cfg)] = seen
+  assert overrides[-1] == '--config.parallelism.plan=' and cfg.parallelism.plan == ''
+  assert f"--schedule plans anew: parallelism.plan='{plan}' is not read" in (
+      capsys.readouterr().err)
+
+
 def test_refine_and_search_are_one_or_the_other(capsys):
   assert aot.main(['--config', DENSE_10B, '--search', '--refine']) == 2
   assert capsys.readouterr().err.startswith('error: --search and --refine: give one')
