@@ -45,22 +45,26 @@ def test_a_run_writes_the_plan_it_ran_and_it_reads_back_equal(trained):
   assert any(l.decision.schedules[0] for l in plan.values())  # rings, with their schedules
 
 
-def test_a_saved_plan_runs_as_saved_and_a_resume_runs_its_workdirs(trained, tmp_path):
+def test_a_saved_plan_runs_as_saved_and_a_resume_runs_its_workdirs(trained, tmp_path, capsys):
   workdir, plan = trained
   # Mark one layer's saved decision: a run given the file, or resuming, must run it.
   data = json.loads((workdir / 'plan.json').read_text())
   data['layers']['unembed']['decision']['reason'] = 'from the plan file'
   edited = tmp_path / 'edited.json'
   edited.write_text(json.dumps(data))
+  capsys.readouterr()
   given = _prepare(tmp_path / 'given', f'--config.parallelism.plan={edited}')
   assert given.model.ops.plan['unembed'].decision.reason == 'from the plan file'
+  assert f'plan: runs {edited} as saved (no layer planned or measured)' in capsys.readouterr().out
   assert given.model.ops.plan['blocks.0.mlp.down'] == plan['blocks.0.mlp.down']
   (workdir / 'plan.json').write_text(json.dumps(data))
   resumed = _prepare(workdir, '--config.steps=4')
   assert resumed.resume_step == 2
   assert resumed.model.ops.plan['unembed'].decision.reason == 'from the plan file'
+  assert f'plan: runs {workdir / "plan.json"} as saved' in capsys.readouterr().out
   fresh = _prepare(tmp_path / 'fresh')  # no checkpoint: it plans
   assert fresh.model.ops.plan['unembed'].decision.reason != 'from the plan file'
+  assert 'as saved' not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('overrides, message', [

@@ -118,7 +118,7 @@ def _planned(cfg: Config, workdir: str, mesh, rules) -> AbstractModel:
   the checkpoint check, naming the setting that differs)."""
   saved = _saved_plan(cfg, workdir)
   try:
-    return model_for_mesh(cfg, mesh, rules, saved)
+    model = model_for_mesh(cfg, mesh, rules, saved)
   except plan_file.PlanMismatch as e:
     if cfg.parallelism.plan:  # a paper config's tuned plan, say, under another layout
       raise plan_file.PlanMismatch(f'parallelism.plan={cfg.parallelism.plan!r} does not fit '
@@ -128,6 +128,10 @@ def _planned(cfg: Config, workdir: str, mesh, rules) -> AbstractModel:
       print(f'plan: {os.path.join(workdir, plan_file.NAME)} does not fit this run ({e}); '
             'planning anew')
     return model_for_mesh(cfg, mesh, rules)
+  if saved is not None and jax.process_index() == 0:  # parallelism.tune has nothing to do
+    print(f'plan: runs {cfg.parallelism.plan or os.path.join(workdir, plan_file.NAME)} as '
+          'saved (no layer planned or measured)')
+  return model
 
 
 def _saved_plan(cfg: Config, workdir: str) -> dict | None:
