@@ -4,8 +4,8 @@ A training run writes the plan it ran to ``WORKDIR/plan.json``; ``parallelism.pl
 runs a saved plan instead of planning, and a run that resumes runs its workdir's plan.
 Each layer keeps its decision whole (mode, axis, gradient forms, ring dtype and each ring's
 schedule, ``parallelism/schedule.py``) with the specs and operand shapes it was made for;
-a plan made for another model, mesh or layer layout is refused in one line naming the
-first mismatch (``sharding.plan_layers``).
+a plan made for another model, mesh, chip or layer layout is refused in one line naming
+the first mismatch (``sharding.plan_layers``).
 """
 
 from __future__ import annotations

@@ -390,6 +390,9 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
   if saved is not None and saved['mesh'] != dict(mesh.shape):
     raise plan_file.PlanMismatch(f"the plan is for mesh {saved['mesh']}, this run's is "
                                  f'{dict(mesh.shape)}')
+  if saved is not None and saved['hardware'] != policy.hardware:  # it was chosen for that chip
+    raise plan_file.PlanMismatch(f"the plan is for hardware {saved['hardware']!r}, this "
+                                 f'run\'s is {policy.hardware!r}')
   planner = _Planner(mesh, rules, policy, plan={}, saved=saved)
   jax.eval_shape(lambda: forward(planner))
   missing = [n for n in (saved or {}).get('layers', {}) if n not in planner._plan]  # pylint: disable=protected-access

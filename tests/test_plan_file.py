@@ -96,6 +96,18 @@ def test_a_resume_on_another_mesh_plans_anew_and_says_why(trained, tmp_path, cap
       capsys.readouterr().out)
 
 
+def test_a_plan_for_another_chip_is_refused_in_one_line(trained, tmp_path):
+  # the same mesh and shapes, but chosen for another chip (a paper config's v4 plan on v5p)
+  workdir, _ = trained
+  data = json.loads((workdir / 'plan.json').read_text())
+  assert data['hardware'] == 'cpu'
+  other = tmp_path / 'v4.json'
+  other.write_text(json.dumps({**data, 'hardware': 'tpu_v4'}))
+  with pytest.raises(ConfigError) as e:
+    _prepare(tmp_path / 'w', f'--config.parallelism.plan={other}')
+  assert "the plan is for hardware 'tpu_v4', this run's is 'cpu'" in str(e.value), e.value
+
+
 def test_a_file_that_is_no_plan_is_refused_in_one_line(tmp_path):
   bad = tmp_path / 'bad.json'
   bad.write_text('{"version": 1, "mesh": {}}')
