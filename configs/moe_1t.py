@@ -32,9 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.moe.num_experts, c.moe.top_k, c.moe.every, c.moe.mlp_dim = 64, 2, 2, 19456
   c.moe.capacity_factor = 1.25
   c.moe.overlap_chunks = 1         # capacity is split over tensor: no chunks
-  # launch.aot --tune's plan for this layout (configs/plans/README.md): its weight-gradient
-  # rings the cost model does not pick; '' plans anew (the planner alone)
-  c.parallelism.plan = paper_base.plan_path('moe_1t')
+  c.parallelism.plan = paper_base.plan_path('moe_1t')  # launch.aot --tune's (configs/plans/)
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = 1, 8, 8, 16
   # Tokens over fsdp and expert (expert last: one all-to-all reaches the experts), the
   # residual stream's sequence and each expert's capacity slots over tensor; expert

@@ -17,8 +17,9 @@ from configs import default
 
 def plan_path(name: str) -> str:
   """configs/plans/NAME.json, a plan file ``launch.aot --tune`` wrote for a paper config's
-  layout (a plan is one layout's: a config that changes the layout sets ``parallelism.plan``
-  again, '' to plan anew)."""
+  layout: the weight-gradient rings the cost model does not pick (configs/plans/README.md).
+  A plan is one layout's: a config that changes the layout sets ``parallelism.plan`` again,
+  '' to plan anew (the planner alone)."""
   return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plans', f'{name}.json')
 
 

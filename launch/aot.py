@@ -59,7 +59,8 @@ the command that trains with it (``python -m trainer.train --config ...
 searches layouts for ours (the best N by the estimates, as ``--search``), then tunes at the
 compiled layout with the highest modeled MFU that fits, whose overrides the printed command
 carries (2N compiles). It plans anew, as ``--schedule`` does: a config's
-``parallelism.plan`` is not read (a line says so). Ours only; not with ``--refine``, ``--schedule`` or ``--hlo_dir`` (exit 2).
+``parallelism.plan`` is not read (a line says so). Ours only; not with ``--refine``,
+``--schedule`` or ``--hlo_dir`` (exit 2).
 
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
@@ -783,7 +784,7 @@ def main(argv=None) -> int:
   if (args.tune or args.schedule) and cfg.parallelism.plan:  # both plan; neither runs a plan
     print(f"{'--tune' if args.tune else '--schedule'} plans anew: "
           f'parallelism.plan={cfg.parallelism.plan!r} is not read', file=sys.stderr)
-    overrides = overrides + ['--config.parallelism.plan=']
+    overrides = overrides + [search.PLAN_ANEW]
     cfg = cfg.replace({'parallelism.plan': ''})
   if args.tune and args.search:
     return tune_layout(args, overrides, cfg, topology, chip, compile_layout)
@@ -847,7 +848,7 @@ def tune(args, overrides, cfg, topology, chip, chips, info,
 
   def write_plan(plan):
     plan_file.write(args.plan_out, plan)
-    kept = [o for o in overrides if not o.startswith('--config.parallelism.plan=')]
+    kept = [o for o in overrides if not o.startswith(search.PLAN_ANEW)]
     return ' '.join(shlex.quote(a) for a in (
         'python', '-m', 'trainer.train', '--config', args.config, *kept,
         f'--config.parallelism.plan={args.plan_out}'))

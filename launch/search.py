@@ -98,13 +98,16 @@ class Layout:
   def overrides(self) -> list[str]:
     return [f'--config.mesh.data={self.data}', f'--config.mesh.fsdp={self.fsdp}',
             f'--config.mesh.tensor={self.tensor}', f'--config.batch_size={self.batch_size}',
-            f'--config.model.remat={self.remat}', '--config.mesh.expert=1',
-            '--config.parallelism.plan=']  # a plan file is one layout's: each is planned
+            f'--config.model.remat={self.remat}', '--config.mesh.expert=1', PLAN_ANEW]
 
   def __str__(self) -> str:
     return (f'data={self.data} fsdp={self.fsdp} tensor={self.tensor} '
             f'batch={self.batch_size} remat={self.remat}')
 
+
+# The override that plans ours anew, not from the config's plan file: a plan is one
+# layout's and one program's (configs/plans/README.md).
+PLAN_ANEW = '--config.parallelism.plan='
 
 REMATS = ('full', 'save_dot_except_mlp', 'save_dot_except_qkv', 'minimal')
 
@@ -353,7 +356,7 @@ def refine(cfg, variants, compile_layout) -> int:
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   grid_ = knob_grid(cfg)
   own = Knobs(cfg.model.scan_unroll, cfg.model.cast_in_loop)
-  anew = lambda knobs: [] if knobs == own else ['--config.parallelism.plan=']
+  anew = lambda knobs: [] if knobs == own else [PLAN_ANEW]
   chosen = []
   for knobs in grid_:
     try:
@@ -377,11 +380,10 @@ def refine(cfg, variants, compile_layout) -> int:
 def schedule_grid(mesh_shape: dict) -> list[dict]:
   """``--tune``'s candidates, as ``prefer`` settings every ring of ours takes where they
   apply: the planner's own (``{}``), each choice of weight-gradient rings
-  (``schedule.ACCUMULATORS``), each schedule
-  field at each of its values (``schedule.CHOICES``) and the ring steps per loop iteration
-  at 1, 2 and the longest ring (no loop). One field at a time, so a table row says what its
-  change did; those that leave the plan as it was (the planner's own value) are dropped by
-  ``plan_key``."""
+  (``schedule.ACCUMULATORS``), each schedule field at each of its values
+  (``schedule.CHOICES``) and the ring steps per loop iteration at 1, 2 and the longest ring
+  (no loop). One field at a time, so a table row says what its change did; those that
+  leave the plan as it was (the planner's own value) are dropped by ``plan_key``."""
   longest = max([n for n in mesh_shape.values()] + [1])
   return ([{}] + [{'accumulators': value} for value in schedule.ACCUMULATORS]
           + [{key: value} for key, values in schedule.CHOICES.items() for value in values]

@@ -23,7 +23,7 @@ any other setting to compare).
 Each rule's reason and the compiled programs it was checked on: docs/parallelism.md.
 A plan file (or a test) may set any field for a layer's rings (``prefer``): each ring takes
 it where it applies to that ring, as the report then shows; ``accumulators`` sets which
-weight-gradient rings the planner may choose (``ACCUMULATORS``) instead of the config.
+weight-gradient rings the planner may choose (``ACCUMULATORS``; 'any' unless set).
 """
 
 from __future__ import annotations

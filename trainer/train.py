@@ -116,7 +116,8 @@ def _planned(cfg: Config, workdir: str, mesh, rules) -> AbstractModel:
   runs: ``parallelism.plan``'s, refused where it does not match; a resume's workdir plan.json
   where it matches, else a new plan (resuming on another mesh; another model is refused by
   the checkpoint check, naming the setting that differs)."""
-  saved = _saved_plan(cfg, workdir)
+  path = _plan_path(cfg, workdir)
+  saved = plan_file.read(path) if path else None
   try:
     model = model_for_mesh(cfg, mesh, rules, saved)
   except plan_file.PlanMismatch as e:
@@ -125,23 +126,21 @@ def _planned(cfg: Config, workdir: str, mesh, rules) -> AbstractModel:
                                    f"this run: {e} (--config.parallelism.plan='' plans "
                                    'anew)') from None
     if jax.process_index() == 0:
-      print(f'plan: {os.path.join(workdir, plan_file.NAME)} does not fit this run ({e}); '
-            'planning anew')
+      print(f'plan: {path} does not fit this run ({e}); planning anew')
     return model_for_mesh(cfg, mesh, rules)
   if saved is not None and jax.process_index() == 0:  # parallelism.tune has nothing to do
-    print(f'plan: runs {cfg.parallelism.plan or os.path.join(workdir, plan_file.NAME)} as '
-          'saved (no layer planned or measured)')
+    print(f'plan: runs {path} as saved (no layer planned or measured)')
   return model
 
 
-def _saved_plan(cfg: Config, workdir: str) -> dict | None:
+def _plan_path(cfg: Config, workdir: str) -> str:
   """The plan file this run runs (``parallelism/plan_file.py``): ``parallelism.plan``, else
-  the workdir's plan.json where the run resumes, else None (it plans)."""
+  the workdir's plan.json where the run resumes, else '' (it plans)."""
   path = cfg.parallelism.plan
   if not path and checkpoint.complete_steps(checkpoint.directory_of(workdir)):
     path = os.path.join(workdir, plan_file.NAME)
     path = path if os.path.exists(path) else ''
-  return plan_file.read(path) if path else None
+  return path
 
 
 def _check_checkpoints(run: Run) -> int | None:
