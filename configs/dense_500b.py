@@ -35,7 +35,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = 128
   c.mesh.tensor = 8                # each ring step's einsum wide enough to hide its transfer
-  c.parallelism.plan = paper_base.plan_path('dense_500b')  # launch.aot --tune's (configs/plans/)
   # The chip's flags, then XLA's pipelining of a scanned layer's all-gathers and
   # reduce-scatters over ICI into the iteration before (after), as MaxText's recipes.
   c.hardware.xla_flags = ('default --xla_tpu_enable_ici_ag_pipelining=true '

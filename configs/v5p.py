@@ -33,7 +33,7 @@ LAYOUTS = {
                   'parallelism.layer_overrides': 'blocks.*=gradients'},
     # Without the scan and optimizer settings v4's memory needs.
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
-                   'model.cast_in_loop': False, 'parallelism.plan': '',
+                   'model.cast_in_loop': False,
                    'optimizer.mu_dtype': 'param', 'optimizer.nu_dtype': 'param'},
     'moe_1t': {'batch_size': 2048, 'model.remat': 'minimal',
                'hardware.xla_flags': ALL_REDUCE_FLAGS,

@@ -8,17 +8,19 @@ size N, per device:
 
 * ``T_comp``: the einsum's time on this device, ``max(F / peak, B / HBM
   bandwidth)`` with ``F`` its FLOPs and ``B`` the bytes it reads and writes;
-  one ring step takes ``c = max(F / N / peak, b / HBM bandwidth)``, where ``b``
-  is what one step reads and writes: its operand blocks and output part, plus,
-  where partial sums accumulate, the partial sum written, then read with the
-  accumulator and their sum written, every step, in the wire dtype (an all-gather
-  over a contracted dim: the addition apart from the einsum; a reduce-scatter's:
-  with the arriving accumulator). The addition is priced under the einsum's max, as
-  where the compiler fuses it into the einsum (the 500B's attention weight gradients over
-  ``tensor``); priced after it, as where it runs as an instruction of its own
-  (reduce-scatter rings), a step comes nearer the step model's charge, but every decision
-  that moved compiled slower (docs/paper_scale.md). A block sliced out of an operand along
-  any dimension but its first is copied before the einsum: that copy's traffic adds to
+  one ring step takes ``c = max(F / N / peak, b / HBM bandwidth) + a / HBM bandwidth``,
+  where ``b`` is what the step's einsum reads and writes (its operand blocks and output
+  part) and ``a`` what its partial-sum addition does, where partial sums accumulate: the
+  einsum's partial sum written, then read with the accumulator and their sum written, in
+  the wire dtype (an all-gather over a contracted dim: added to the accumulator; a
+  reduce-scatter's: to the arriving one). The addition is priced after the einsum, as an
+  instruction of its own, as the step model charges it where the compiled program runs it
+  apart. Where the compiler fuses it into the einsum or the pair kernel runs it, this
+  overcharges the step, which also stands in for the slices and updates around each step
+  that this model does not price: across the eight paper configs the planner's plans
+  then model as fast as or faster than under the einsum's max, except v5p's 500B and
+  ``moe_1t`` (0.4% and 0.3% slower; docs/parallelism.md). A block sliced out of an operand
+  along any dimension but its first is copied before the einsum: that copy's traffic adds to
   ``c`` (``_sliced_copy_bytes``). A ring whose steps are bound by
   that traffic while the plain einsum is not loses to ``none`` (``pricing.compute_seconds``;
   profiles without an HBM bandwidth, the CPU's, count FLOPs only). Operand and output
@@ -83,10 +85,9 @@ planner keeps its price until compiled programs say otherwise:
   a compiled step the larger of its compute and its collective-permute and no launch. Not
   charging it makes a ring of N devices (N-1) latencies cheaper (14 us at N = 8 on v4),
   which may move near ties to rings; not tried on compiled programs.
-* **Partial-sum additions** are priced under the einsum's max, as where the compiler fuses
-  them into it; the step model charges them as instructions of their own where the
-  compiled program runs them apart (reduce-scatter rings, dense_64b's weight gradients).
-  Priced after the einsum, every decision that moved compiled slower (``T_comp`` above).
+* **Partial-sum additions** are priced after the einsum (``T_comp`` above); the step model
+  charges them under the einsum where the compiled program fuses them into it or the pair
+  kernel runs them, which the planner cannot see.
 * **A bidirectional round's extra instructions**: its blocks joined before the einsum and
   the product split after it, the launch of its second transfer and of an even ring's
   halves, are not priced; the step model charges the copies, slices and permutes they
@@ -168,16 +169,19 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   # partial sums travel in the compute dtype, or fp32 (parallelism.ring_dtype)
   wire = max(itemsize, 4) if wire_fp32 else itemsize
   blocks = dict(zip('lro', local))
-  plain_bytes, step_bytes, pair_bytes = _hbm_bytes(eq, plan, blocks, n, itemsize, wire)
+  plain_bytes, (step_bytes, step_sums), (pair_bytes, pair_sums) = _hbm_bytes(
+      eq, plan, blocks, n, itemsize, wire)
   if plan.kind == 'reducescatter':
     block = local[2] * wire
   else:
     block = local[0 if plan.gathered == 'lhs' else 1] * itemsize
   copied = _sliced_copy_bytes(eq, plan, blocks, n, itemsize)
   t_comp = pricing.compute_seconds(flops, plain_bytes, peak, hbm)
-  c = pricing.compute_seconds(flops / n, step_bytes, peak, hbm) + copied / hbm
+  # the einsum, then its block copy and partial-sum additions, each an instruction of its own
+  c = pricing.compute_seconds(flops / n, step_bytes, peak, hbm) + (copied + step_sums) / hbm
   # one einsum over two blocks
-  c2 = pricing.compute_seconds(2 * flops / n, pair_bytes, peak, hbm) + 2 * copied / hbm
+  c2 = (pricing.compute_seconds(2 * flops / n, pair_bytes, peak, hbm) +
+        (2 * copied + pair_sums) / hbm)
   if apart_pairs and plan.kind == 'allgather_free':
     c2 = 2 * c
   lat = profile.step_latency
@@ -197,7 +201,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
     bi = t_comp + t_comm + rounds * lat
   return Estimate(profile.name, plan.axis, n, t_comp, t_comm, c, t,
                   {'none': t_comp + t_comm, 'unidirectional': uni, 'bidirectional': bi},
-                  step_bytes / hbm > flops / n / peak)
+                  (step_bytes + step_sums) / hbm > flops / n / peak)
 
 
 def _sliced_copy_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int,
@@ -222,30 +226,31 @@ def _sliced_copy_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int,
 
 
 def _hbm_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int, itemsize: int,
-               wire: int) -> tuple[float, float, float]:
-  """Bytes read and written per device by the plain einsum, by one ring step, and by
-  one bidirectional round (two blocks through one einsum, ``ring.py``: the operand
-  that does not travel is read once, and the round's partial sum added once).
+               wire: int) -> tuple[float, tuple[float, float], tuple[float, float]]:
+  """Bytes read and written per device by the plain einsum, and (by its einsum, by its
+  partial-sum additions) for one ring step and for one bidirectional round (two blocks
+  through one einsum, ``ring.py``: the operand that does not travel is read once, and the
+  round's partial sum added once).
 
   ``local``: the elements of each operand's block on one device ('l', 'r', 'o');
-  ``n`` the ring's size; ``wire`` the bytes of a partial sum's element.
+  ``n`` the ring's size; ``wire`` the bytes of a partial sum's element. An addition writes
+  the einsum's partial sum, reads it with the accumulator and writes their sum, all in the
+  wire dtype: ``4 * wire`` bytes an element.
   """
   lhs, rhs, out = local['l'], local['r'], local['o']
   if plan.kind == 'reducescatter':  # the unreduced output, then its reduce-scatter
     owner, other = (lhs, rhs) if plan.out_letter in eq.lhs else (rhs, lhs)
     plain = itemsize * (lhs + rhs) + wire * n * out
-    # slices of the owner and the other operand; a partial sum written, then it and
-    # the arriving accumulator read, added (in fp32) and written, all in the wire dtype
-    step = lambda k: itemsize * (k * owner / n + other) + k * 4 * wire * out
+    # slices of the owner and the other operand; each block's partial sum added to the
+    # arriving accumulator
+    step = lambda k: (itemsize * (k * owner / n + other), k * 4 * wire * out)
     return plain, step(1), step(2)
   g, o = (lhs, rhs) if plan.gathered == 'lhs' else (rhs, lhs)
   plain = itemsize * (n * g + o + out)  # the gathered operand, whole
   if plan.kind == 'allgather_free':  # blocks, the other operand, parts of the output
-    step = lambda k: itemsize * (k * g + o + k * out / n)
+    step = lambda k: (itemsize * (k * g + o + k * out / n), 0.0)
     return plain, step(1), step(2)
-  # allgather_contracting: blocks and slices of the other; the product written, then it and
-  # the accumulator read and their sum written, all in the wire dtype (the compiler keeps
-  # the addition apart from the einsum where their layouts differ: dense_64b's weight
-  # gradients)
-  step = lambda k: itemsize * k * (g + o / n) + 4 * wire * out
+  # allgather_contracting: blocks and slices of the other; the product added to the
+  # accumulator once a step or round
+  step = lambda k: (itemsize * k * (g + o / n), 4 * wire * out)
   return plain, step(1), step(2)

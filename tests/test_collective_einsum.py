@@ -518,13 +518,16 @@ def test_cost_model_refuses_rings_whose_steps_are_memory_bound():
   est = lambda d: cost_model.estimate(eq, plan, (b, d), (d, f), 'bfloat16', mesh, 'tpu_v4')
   shallow, deep = est(2048), est(65536)
   assert shallow.step_memory_bound and not deep.step_memory_bound
-  # per step: an x block and a w slice in bf16; the product [b, f/8] written, then it and
-  # the accumulator read and their sum written, in the wire dtype (fp32 under 'float32')
-  step_bytes = lambda wire: 2 * (b * 2048 / 8 + 2048 * f / 64) + 4 * wire * b * f / 8
-  assert shallow.step_compute_seconds == pytest.approx(step_bytes(2) / 1.2e12)
+  # per step: the einsum of an x block and a w slice in bf16, then its addition: the
+  # product [b, f/8] written, then it and the accumulator read and their sum written, in
+  # the wire dtype (fp32 under 'float32'), an instruction of its own
+  rate = 275e12 * pricing.MATMUL_EFFICIENCY
+  einsum = max(2 * b * 2048 * f / 64 / rate, 2 * (b * 2048 / 8 + 2048 * f / 64) / 1.2e12)
+  step = lambda wire: einsum + 4 * wire * b * f / 8 / 1.2e12
+  assert shallow.step_compute_seconds == pytest.approx(step(2))
   fp32 = cost_model.estimate(eq, plan, (b, 2048), (2048, f), 'bfloat16', mesh, 'tpu_v4',
                              wire_fp32=True)
-  assert fp32.step_compute_seconds == pytest.approx(step_bytes(4) / 1.2e12)
+  assert fp32.step_compute_seconds == pytest.approx(step(4))
   assert shallow.step_compute_seconds > 1.5 * (2 * b * 2048 * f / 64 / 275e12)  # its FLOPs
   pick = lambda d: explain('bd,df->bf', (b, d), (d, f), 'bfloat16', mesh=mesh, **specs,
                            hardware='tpu_v4').mode
