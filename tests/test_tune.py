@@ -27,10 +27,16 @@ def _prepare(workdir, *overrides):
                        TINY + list(overrides))
 
 
-def test_measure_runs_each_layers_fastest_form_and_records_every_candidate(tmp_path, capsys,
-                                                                        monkeypatch):
-  # each candidate compiled once: the direct timing below runs the programs measuring timed
-  compiled, compile_ = {}, tune.compiled
+@pytest.fixture(scope='module')
+def compiled():
+  """The candidates tune.compiled compiled in this module, by program: each compiled once
+  (compile_once), for the direct timing of the first test and the same layers measured in
+  the next ones."""
+  return {}
+
+
+def compile_once(monkeypatch, compiled):
+  compile_ = tune.compiled
 
   def compiled_once(decision, shapes, specs, dtype, mesh):
     key = (decision.program(), tuple(map(tuple, shapes)), tuple(specs), str(dtype), mesh)
@@ -39,6 +45,12 @@ def test_measure_runs_each_layers_fastest_form_and_records_every_candidate(tmp_p
     return compiled[key]
 
   monkeypatch.setattr(tune, 'compiled', compiled_once)
+
+
+def test_measure_runs_each_layers_fastest_form_and_records_every_candidate(tmp_path, capsys,
+                                                                        monkeypatch, compiled):
+  # each candidate compiled once: the direct timing below runs the programs measuring timed
+  compile_once(monkeypatch, compiled)
   planned = _prepare(tmp_path / 'model', AUTO, '--config.parallelism.tune=model').model.ops.plan
   capsys.readouterr()
   run = _prepare(tmp_path / 'measure', AUTO, '--config.parallelism.tune=measure')
@@ -93,7 +105,8 @@ def test_auto_on_cpu_and_model_plan_by_the_cost_model(tmp_path, capsys):
     _prepare(tmp_path / 'bad', '--config.parallelism.tune=fast')
 
 
-def test_measure_keeps_the_forms_the_config_sets(tmp_path, capsys):
+def test_measure_keeps_the_forms_the_config_sets(tmp_path, capsys, monkeypatch, compiled):
+  compile_once(monkeypatch, compiled)  # the layers the first test measured: not compiled again
   # layer_overrides names the unembedding plain: measuring times the other layers only
   run = _prepare(tmp_path / 'override', AUTO, '--config.parallelism.tune=measure',
                  '--config.parallelism.layer_overrides=unembed=plain')
