@@ -126,6 +126,11 @@ def configure_host(cpu_devices: int, cache_dir: str | None = None,
   if jax.config.jax_num_cpu_devices != cpu_devices:  # settable only before JAX starts
     jax.config.update('jax_num_cpu_devices', cpu_devices)
   cache_dir = cache_dir or os.environ.get('RINGTRAIN_COMPILATION_CACHE')
+  # Only process 0 writes the cache. jax_share_binary_between_hosts (process 0 compiles
+  # and sends the executable) stays off: the others wait under their own cache key, which
+  # on the CPU differs per process (its topology is hashed), so they waited out the 20 min
+  # timeout here (JAX 0.10.2); and where process 0 hits a per-host cache the others miss,
+  # they wait for an executable that is never sent.
   if cache_dir:
     jax.config.update('jax_compilation_cache_dir', cache_dir)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
