@@ -39,20 +39,20 @@ size N, per device:
 Predicted times (all modeled, not measured):
 
 * ``none``: ``T_comp + T_comm`` — the collective, then the einsum.
-* ``unidirectional``: ``c + (N-1) (max(c, t) + latency)`` when the backend runs
-  transfers asynchronously (the extra latency is the per-step einsum and
-  update launch); otherwise nothing overlaps: ``T_comp + (N-1) t`` plus the
-  per-step latency.
+* ``unidirectional``: ``c + (N-1) max(c, t)`` when the backend runs transfers
+  asynchronously (each step the larger of its compute and its collective-permute, as the
+  step model charges a compiled step: no launch cost of its own); otherwise nothing
+  overlaps: ``T_comp + (N-1) t`` plus the per-step latency.
 * ``bidirectional``: ``R = ceil((N-1)/2)`` rounds, each computing two blocks
   while both link directions carry one block each:
-  ``c + R (max(c2, t) + latency)``, ``c2`` the round's one einsum over both blocks
+  ``c + R max(c2, t)``, ``c2`` the round's one einsum over both blocks
   (FLOPs 2F/N; the operand that stays is read once); under ``apart_pairs``
   (a ring schedule's ``pairs='apart'``) an all-gather's round is two einsums, each
   reading that operand, ``c2 = 2 c``. The joined round's copies (its blocks joined before
   the einsum, the product split after it) are not priced: which form a ring takes is the
   config's, by compiled programs (docs/paper_scale.md). For an even N the last round
   is the opposite device's block alone, half of it from each side (``ring.py``):
-  ``c + (R-1) (max(c2, t) + latency) + max(c, t/2) + latency``, plus, for an
+  ``c + (R-1) max(c2, t) + max(c, t/2)``, plus, for an
   all-gather, writing the two halves it forwards out of the blocks that hold them
   (a block's bytes read and written). Without async transfers ``T_comp + T_comm +
   R latency``.
@@ -80,11 +80,6 @@ planner keeps its price until compiled programs say otherwise:
   v4 500B's ``unembed`` and v5p 500B's ``mlp.down`` weight gradients moved to rings over
   ``tensor`` and both compiled slower (docs/paper_scale.md, "Tried and not kept: the
   compiler's collective priced over every torus dimension its axis spans").
-* **A ring step's launch.** Each ring step (and bidirectional round) costs ``max(c, t)``
-  plus one more step latency, for launching its einsum and update; the step model charges
-  a compiled step the larger of its compute and its collective-permute and no launch. Not
-  charging it makes a ring of N devices (N-1) latencies cheaper (14 us at N = 8 on v4),
-  which may move near ties to rings; not tried on compiled programs.
 * **Partial-sum additions** are priced after the einsum (``T_comp`` above); the step model
   charges them under the einsum where the compiled program fuses them into it or the pair
   kernel runs them, which the planner cannot see.
@@ -189,11 +184,11 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
   rounds = math.ceil((n - 1) / 2)
   t_comm = pricing.ring_collective_seconds(n * block, [n], link, profile.ring_links, lat)
   if profile.async_collectives:
-    uni = c + (n - 1) * (max(c, t) + lat)
-    bi = c + rounds * (max(c2, t) + lat)
+    uni = c + (n - 1) * max(c, t)
+    bi = c + rounds * max(c2, t)
     if n % 2 == 0 and n > 2:  # the last round: the opposite block alone, a half each way
       half = pricing.permute_seconds(block / 2, link, lat)
-      bi = c + (rounds - 1) * (max(c2, t) + lat) + max(c, half) + lat
+      bi = c + (rounds - 1) * max(c2, t) + max(c, half)
       if plan.kind != 'reducescatter':  # the halves it forwards are copies of its blocks
         bi += 2 * block / hbm
   else:
