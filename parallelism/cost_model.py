@@ -19,7 +19,7 @@ size N, per device:
   overcharges the step, which also stands in for the slices and updates around each step
   that this model does not price: across the eight paper configs the planner's plans
   then model as fast as or faster than under the einsum's max, except v5p's 500B and
-  ``moe_1t`` (0.4% and 0.3% slower; docs/parallelism.md). A block sliced out of an operand
+  ``moe_1t`` (0.05% and 0.3% slower; docs/parallelism.md). A block sliced out of an operand
   along any dimension but its first is copied before the einsum: that copy's traffic adds to
   ``c`` (``_sliced_copy_bytes``). A ring whose steps are bound by
   that traffic while the plain einsum is not loses to ``none`` (``pricing.compute_seconds``;
