@@ -68,9 +68,9 @@ This mirrors XLA's own rule (spmd dot handler), which skips windowed einsum
 when ``max(T_comp, m T_comm) + 2 m T_comm / N >= T_comp + T_comm``.
 
 Where the step model differs, on purpose. Each of these, priced as the step model prices
-it, moved decisions that then compiled slower (docs/paper_scale.md), or was not tried on
-compiled programs, or needs the compiled schedule, which the planner does not have; the
-planner keeps its price until compiled programs say otherwise:
+it, moved decisions that then compiled slower (docs/paper_scale.md), or needs the compiled
+schedule, which the planner does not have; the planner keeps its price until compiled
+programs say otherwise:
 
 * **An axis over several torus dimensions.** ``T_comm`` takes the axis as one dimension of
   N chips. The step model reads the chips' coordinates and charges a group spanning
