@@ -79,7 +79,12 @@ programs say otherwise:
   steps of latency, not 64. Priced so (the span read from the mesh devices' coordinates),
   v4 500B's ``unembed`` and v5p 500B's ``mlp.down`` weight gradients moved to rings over
   ``tensor`` and both compiled slower (docs/paper_scale.md, "Tried and not kept: the
-  compiler's collective priced over every torus dimension its axis spans").
+  compiler's collective priced over every torus dimension its axis spans"). Tried again
+  with the additions priced after the einsum and no launch latency a step: v4 500B's
+  ``attn.o`` weight gradient moves to one einsum, 7.5166 s a step against 7.4369 s
+  (slower), v5p 500B's ``unembed`` weight gradient to its ring over ``tensor``, 8.5859 s
+  against 8.6157 s (faster); the other six paper configs plan as before (modeled,
+  ``launch.aot --variants ours``). Not kept: the loss outweighs the gain.
 * **Partial-sum additions** are priced after the einsum (``T_comp`` above); the step model
   charges them under the einsum where the compiled program fuses them into it or the pair
   kernel runs them, which the planner cannot see.
