@@ -17,9 +17,9 @@ size N, per device:
   instruction of its own, as the step model charges it where the compiled program runs it
   apart. Where the compiler fuses it into the einsum or the pair kernel runs it, this
   overcharges the step, which also stands in for the slices and updates around each step
-  that this model does not price: across the eight paper configs the planner's plans
-  then model as fast as or faster than under the einsum's max, except v5p's 500B and
-  ``moe_1t`` (0.05% and 0.3% slower; docs/parallelism.md). A block sliced out of an operand
+  that this model does not price: across the eight paper configs its plans compile as fast
+  as under the einsum's max or faster, but for two within 0.3% (docs/parallelism.md, the
+  weight-gradient rings). A block sliced out of an operand
   along any dimension but its first is copied before the einsum: that copy's traffic adds to
   ``c`` (``_sliced_copy_bytes``). A ring whose steps are bound by
   that traffic while the plain einsum is not loses to ``none`` (``pricing.compute_seconds``;
@@ -77,14 +77,8 @@ programs say otherwise:
   dimensions of extents ``n_1, n_2`` both directions of each (``ring_collective_seconds``
   with extents ``[n_1, n_2]``): over ``fsdp`` = 8 x 16, half the transfer time and 4 + 8
   steps of latency, not 64. Priced so (the span read from the mesh devices' coordinates),
-  v4 500B's ``unembed`` and v5p 500B's ``mlp.down`` weight gradients moved to rings over
-  ``tensor`` and both compiled slower (docs/paper_scale.md, "Tried and not kept: the
-  compiler's collective priced over every torus dimension its axis spans"). Tried again
-  with the additions priced after the einsum and no launch latency a step: v4 500B's
-  ``attn.o`` weight gradient moves to one einsum, 7.5166 s a step against 7.4369 s
-  (slower), v5p 500B's ``unembed`` weight gradient to its ring over ``tensor``, 8.5859 s
-  against 8.6157 s (faster); the other six paper configs plan as before (modeled,
-  ``launch.aot --variants ours``). Not kept: the loss outweighs the gain.
+  the planner moves 500B weight gradients that then compile slower on v4 (docs/parallelism.md,
+  "Tried and not kept: the compiler's collective over every torus dimension").
 * **Partial-sum additions** are priced after the einsum (``T_comp`` above); the step model
   charges them under the einsum where the compiled program fuses them into it or the pair
   kernel runs them, which the planner cannot see.
