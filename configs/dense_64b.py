@@ -29,6 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 26112
   c.model.remat = 'minimal'        # every projection's output kept: fits at 64B, no MLP rerun
   c.optimizer.learning_rate = 1.5e-4
+  c.parallelism.plan = paper_base.plan_path('dense_64b')  # launch.aot --tune's (configs/plans/)
   c.mesh.data = 1
   c.mesh.fsdp = 64
   c.mesh.tensor = 8

@@ -30,7 +30,7 @@ LAYOUTS = {
     # forward einsums, where its reduce-scatters would block.
     'dense_64b': {'mesh.data': 8, 'mesh.fsdp': 64, 'mesh.tensor': 1, 'batch_size': 1024,
                   'model.remat': 'minimal', 'hardware.xla_flags': ALL_REDUCE_FLAGS,
-                  'parallelism.layer_overrides': 'blocks.*=gradients'},
+                  'parallelism.layer_overrides': 'blocks.*=gradients', 'parallelism.plan': ''},
     # Without the scan and optimizer settings v4's memory needs.
     'dense_500b': {'batch_size': 512, 'model.remat': 'minimal', 'model.scan_unroll': 1,
                    'model.cast_in_loop': False,

@@ -164,7 +164,7 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
     return _gradients_alone(
         Decision(str(eq), 'none', None, None, others, None, f'fallback to none: {why}',
                  ring_dtype=ring_dtype),
-        eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
+        eq, shapes, all_specs, dtype, mesh, hardware, form, alone, accumulators)
   backward, backward_over = ('ring', 'ring'), (None, None)
   if mode == 'auto':
     choice = estimate.best
@@ -174,18 +174,20 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
       return _gradients_alone(
           Decision(str(eq), 'none', None, chosen.kind, others, estimate, reason,
                    ring_dtype=ring_dtype),
-          eq, shapes, all_specs, dtype, mesh, hardware, form, alone)
+          eq, shapes, all_specs, dtype, mesh, hardware, form, alone, accumulators)
     if choice == 'unidirectional' and (estimate.seconds['bidirectional']
                                        < estimate.seconds['unidirectional']):
       reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
                  'faster: the simpler ring)')
     rings, seconds = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                                     hardware, form, accumulators == 'sharded')
+                                     hardware, form, accumulators)
     backward = tuple('none' if r is None else 'ring' for r in rings)
     backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
                           for r in rings)
     for which, r, forms in zip(('lhs', 'rhs'), rings, seconds):
-      if r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
+      if r is None and which == 'rhs' and accumulators == 'none':
+        reason += "; gradient of rhs as one einsum (accumulators='none')"
+      elif r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
         reason += f'; gradient of {which} as one einsum (its ring would be slower)'
       elif r is None:  # no ring was priced
         reason += f'; gradient of {which} as one einsum (no ring can run it' + (
@@ -307,11 +309,12 @@ def _local_shape(shape, spec, manual, mesh) -> tuple[int, ...]:
 
 
 def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
-                     form: _Priced, enabled: bool) -> Decision:
+                     form: _Priced, enabled: bool, accumulators: str = 'any') -> Decision:
   """``plain`` (a forward left to the compiler, under auto), with each gradient einsum
   that reduce-scatters over an axis as a ring over it where the cost model says that
   ring costs less than the compiler's reduce-scatter, which blocks the chip; only where
-  ``enabled`` (``gradient_rings='any_forward'``).
+  ``enabled`` (``gradient_rings='any_forward'``), and the weight's gradient not under
+  ``accumulators='none'``.
 
   A weight gradient under FSDP with a data axis (the batch over ``(data, fsdp)``): the
   forward's weight gather over ``fsdp`` is the compiler's, prefetched, but the gradient's
@@ -326,7 +329,7 @@ def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, 
   if not enabled:
     return plain
   rings, seconds = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
-                                   form)
+                                   form, accumulators)
   if not any(rings):
     return dataclasses.replace(plain, gradient_seconds=seconds)
   reason = plain.reason + ''.join(_blocking(w, r) for w, r in zip(('lhs', 'rhs'), rings) if r)
@@ -342,7 +345,7 @@ def _blocking(which: str, ring: tuple[str, str]) -> str:
 
 
 def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
-                    mesh, hardware, form: _Priced, sharded: bool = False):
+                    mesh, hardware, form: _Priced, accumulators: str = 'any'):
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; and
   the modeled seconds of each one's forms (``Decision.gradient_seconds``).
 
@@ -372,9 +375,10 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
   from the ring over tensor to the one over fsdp, 7.834 s a step against 7.773 s
   (modeled): the fsdp ring's 128 short steps cost more than the model says.
 
-  Under ``sharded`` (``schedule.ACCUMULATORS``) an all-gather ring over the forward's
-  axis is no candidate where the gradient is reduced over another axis afterwards: its
-  accumulator would hold the gradient whole over that axis.
+  Under ``accumulators`` 'sharded' (``schedule.ACCUMULATORS``) an all-gather ring over the
+  forward's axis is no candidate where the gradient is reduced over another axis afterwards:
+  its accumulator would hold the gradient whole over that axis. Under 'none' the weight's
+  gradient is one einsum (its forms still priced, for the report).
 
   With ``axis`` None (a forward left to the compiler, ``_gradients_alone``) the candidates
   are one einsum and the rings over the axes a gradient einsum reduce-scatters over.
@@ -401,7 +405,7 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
       rings.append(None)
       continue
     own_ring = plan is not None and not (
-        sharded and plan.kind == 'allgather_contracting' and any(
+        accumulators == 'sharded' and plan.kind == 'allgather_contracting' and any(
             p.kind == 'reducescatter' and p.axis != axis and mesh.shape[p.axis] > 1
             for p in plans))
     est = {p.axis: _estimate(t_eq, p, t_shapes, t_specs, dtype, mesh, hardware, form)
@@ -416,7 +420,8 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
       total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
     plain = est[candidates[0].axis].compute_seconds + sum(compiler.values())
     best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
-    rings.append(best if best and total[best] <= plain else None)
+    ringed = best and total[best] <= plain and not (which == 'rhs' and accumulators == 'none')
+    rings.append(best if ringed else None)
     seconds[which] = {'one einsum': plain, **{f'{m} over {a}': s for (a, m), s in total.items()},
                       **{f"compiler's collective over {a}": s for a, s in compiler.items()}}
   return tuple(rings), (seconds['lhs'], seconds['rhs'])

@@ -40,10 +40,12 @@ CHOICES = {
     'layout': ('compiler', 'contiguous'),
 }
 # Which weight-gradient rings the planner may choose (``decision.explain``, from a plan's
-# ``prefer``; ``launch.aot --tune`` compiles both): 'any' (the cost model's fastest form, the
-# planner's own) or 'sharded' (no ring whose accumulator holds the gradient whole over an
-# axis it is reduced over afterwards, fsdp: the gradient rings over fsdp or is one einsum).
-ACCUMULATORS = ('any', 'sharded')
+# ``prefer``; ``launch.aot --tune`` compiles each): 'any' (the cost model's fastest form, the
+# planner's own), 'sharded' (no ring whose accumulator holds the gradient whole over an
+# axis it is reduced over afterwards, fsdp: the gradient rings over fsdp or is one einsum)
+# or 'none' (every weight gradient one einsum: the compiler prefetches its gathers and
+# overlaps them with the rest of the backward, which the per-einsum cost model cannot see).
+ACCUMULATORS = ('any', 'sharded', 'none')
 # Ring steps per loop iteration where transfers overlap compute: a ring over at most
 # NO_LOOP_DEVICES runs with no loop (every step its own ops, no loop-carried copies of its
 # blocks), a longer one OVERLAPPED_UNROLL steps an iteration (the loop's block copies and some

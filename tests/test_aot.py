@@ -461,7 +461,7 @@ def test_tune_compiles_each_distinct_plan_once_and_writes_the_fastest_that_fits(
   grid = search.schedule_grid({'data': 1, 'fsdp': 2, 'tensor': 4, 'expert': 1})
   assert grid[0] == {} and all(len(p) == 1 for p in grid[1:])
   assert {'layout': 'contiguous'} in grid and grid[-3:] == [{'unroll': n} for n in (1, 2, 4)]
-  assert grid[1:3] == [{'accumulators': 'any'}, {'accumulators': 'sharded'}]
+  assert grid[1:4] == [{'accumulators': a} for a in ('any', 'sharded', 'none')]
 
   def plan(prefer):  # the planner's: additions fused, unroll 4; the other fields apply to none
     ring = {'additions': 'fused', 'unroll': 4} | {k: v for k, v in prefer.items()

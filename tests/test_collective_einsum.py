@@ -679,6 +679,12 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   d = gate_up(prefer={'accumulators': 'sharded'})
   assert d.backward_over == (None, (F, 'bidirectional')), d
   assert gate_up(prefer={'accumulators': 'any'}) == gate_up()
+  # Under 'none' every weight gradient is one einsum, as --tune also compiles; its forms are
+  # still priced, for the report.
+  d = gate_up(prefer={'accumulators': 'none'})
+  assert d.backward == ('ring', 'none') and d.backward_over == (None, None), d
+  assert "gradient of rhs as one einsum (accumulators='none')" in d.reason, d.reason
+  assert 'bidirectional over tensor' in d.gradient_seconds[1]
   with pytest.raises(ValueError, match="accumulators='whole' is not one of"):
     gate_up(prefer={'accumulators': 'whole'})
   # 64B's attn.qkv at 512 sequences: 1,280 columns a chip, so each of its 64 ring steps over

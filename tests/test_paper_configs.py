@@ -64,7 +64,7 @@ def test_each_plan_file_is_a_paper_configs_own():
 
 
 @pytest.mark.skipif(importlib.util.find_spec('libtpu') is None, reason='libtpu not installed')
-@pytest.mark.parametrize('name', ['moe_1t', 'v5p:moe_1t'])
+@pytest.mark.parametrize('name', ['dense_64b', 'moe_1t', 'v5p:moe_1t'])
 def test_a_plan_file_fits_its_config_on_its_slice(name, monkeypatch):
   """Planned on its slice with its plan file read (launch.aot's worker, nothing compiled),
   every layer of the config's model is in the plan as the plan has it: a change to the
