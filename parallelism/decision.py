@@ -309,7 +309,7 @@ def _local_shape(shape, spec, manual, mesh) -> tuple[int, ...]:
 
 
 def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, hardware,
-                     form: _Priced, enabled: bool, accumulators: str = 'any') -> Decision:
+                     form: _Priced, enabled: bool, accumulators: str) -> Decision:
   """``plain`` (a forward left to the compiler, under auto), with each gradient einsum
   that reduce-scatters over an axis as a ring over it where the cost model says that
   ring costs less than the compiler's reduce-scatter, which blocks the chip; only where
@@ -345,7 +345,7 @@ def _blocking(which: str, ring: tuple[str, str]) -> str:
 
 
 def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
-                    mesh, hardware, form: _Priced, accumulators: str = 'any'):
+                    mesh, hardware, form: _Priced, accumulators: str):
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; and
   the modeled seconds of each one's forms (``Decision.gradient_seconds``).
 
