@@ -46,12 +46,16 @@ parallelism/hardware.py), as a user would train:
 each prints one table and the best per variant (launch/search.py).
 
 ``--tune [--max_compiles N] [--plan_out PATH]`` tunes ours' ring schedules at the config's
-layout (``search.tune``): one worker plans ours under the planner's schedules (``{}``) and
-under each one-field change of them (each choice of weight-gradient rings,
-``schedule.ACCUMULATORS``; each value of ``schedule.CHOICES``; ``unroll`` 1, 2 and the
-longest ring's steps), as ``--schedule`` sets them; candidates whose plans would compile
-the same are dropped, the first N distinct ones compiled (default 6; the rest named), each a
-progress line (modeled step, fit). It prints a table and writes the plan of the fastest
+layout (``search.tune``), greedily, on compiled programs: one worker plans ours under the
+planner's schedules (``{}``) and under each one-field change of them (each choice of
+weight-gradient rings, ``schedule.ACCUMULATORS``; each value of ``schedule.CHOICES``;
+``unroll`` 1, 2 and the longest ring's steps), as ``--schedule`` sets them; candidates whose
+plans would compile the same are dropped, the first N distinct ones compiled (default 6; the
+rest named), each a progress line (modeled step, fit). While compiles are left, a next round
+compiles each one-field change of the fastest so far, until a round finds nothing faster
+(two fields changed together: ``v5p.py:moe_1t``'s plan). With ``--schedule S`` it starts
+from S (S and each one-field change of it) instead of the planner's. It prints a table and
+writes the plan of the fastest
 modeled program that fits to PATH (default ``./plan.json``, through a temporary file), with
 the command that trains with it (``python -m trainer.train --config ...
 --config.parallelism.plan=PATH``); ``launch.aot --variants ours
@@ -59,8 +63,8 @@ the command that trains with it (``python -m trainer.train --config ...
 searches layouts for ours (the best N by the estimates, as ``--search``), then tunes at the
 compiled layout with the highest modeled MFU that fits, whose overrides the printed command
 carries (2N compiles). It plans anew, as ``--schedule`` does: a config's
-``parallelism.plan`` is not read (a line says so). Ours only; not with ``--refine``,
-``--schedule`` or ``--hlo_dir`` (exit 2).
+``parallelism.plan`` is not read (a line says so). Ours only; not with ``--refine`` or
+``--hlo_dir`` (exit 2).
 
 Bad input (config, override, topology, mesh that does not match the chip count,
 an ``--hlo_dir`` that cannot be a directory) exits with status 2 and one line,
@@ -175,16 +179,17 @@ def parse_args(argv):
                            'e.g. \'{"unroll": 8, "additions": "fused"}\': to compare schedules '
                            "(it plans anew: the config's parallelism.plan is not read)")
   parser.add_argument('--tune', action='store_true',
-                      help="compile ours under the planner's ring schedules and under each "
-                           'one-field change of them, name the fastest modeled program that '
-                           'fits and write its plan to --plan_out (launch/search.py); with '
-                           '--search, at the best layout the search compiles')
+                      help="compile ours under the planner's ring schedules (or --schedule's) "
+                           'and each one-field change of them, then of the fastest while '
+                           '--max_compiles lasts; write the fastest modeled program that fits '
+                           'to --plan_out (launch/search.py); with --search, at the best '
+                           'layout the search compiles')
   parser.add_argument('--plan_out', default=plan_file.NAME,
                       help=f'with --tune: where the best plan goes (default ./{plan_file.NAME})')
   parser.add_argument('--max_compiles', type=int, default=6,
                       help='with --search: layouts to compile (default 6; 0: rank them only); '
-                           'with --tune: schedules to compile, the planner\'s first (default '
-                           '6); with both: N layouts, then N schedules')
+                           'with --tune: schedules to compile in all rounds, the first '
+                           "round's first (default 6); with both: N layouts, then N schedules")
   parser.add_argument('--worker', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
   parser.add_argument('--flag_set', default='', help=argparse.SUPPRESS)
@@ -231,7 +236,6 @@ def check_tune(args, cfg: Config, variants: list[str]) -> None:
   refused = [(args.refine, '--refine: give one of --tune and --refine'),
              (variants != ['ours'], f'--variants {args.variants!r}: --tune tunes the ours '
                                     'variant only (leave --variants out)'),
-             (bool(args.schedule), '--schedule: --tune chooses the schedules itself'),
              (bool(args.hlo_dir), '--hlo_dir is not supported with --tune'),
              (args.max_compiles < 1, f'--max_compiles {args.max_compiles}: --tune compiles '
                                      "at least the planner's schedule (1)")]
@@ -855,7 +859,7 @@ def tune(args, overrides, cfg, topology, chip, chips, info,
 
   shape = {a: d * i for a, (d, i) in mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips).items()}
   return search.tune(shape, args.max_compiles, plan_all, compile_one, write_plan,
-                     args.plan_out, where)
+                     args.plan_out, where, start=schedule_prefer(args))
 
 
 def compile_variants(args, overrides, cfg, topology, chip, variants) -> dict | int:

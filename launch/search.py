@@ -404,53 +404,85 @@ def plan_key(plan: dict) -> str:
   return json.dumps(strip(plan['layers']), sort_keys=True)
 
 
+def neighbours(prefer: dict, mesh_shape: dict) -> list[dict]:
+  """The candidates one schedule field away from ``prefer`` (``schedule_grid``'s changes,
+  each set over it), those that change it."""
+  out = []
+  for change in schedule_grid(mesh_shape)[1:]:
+    p = {**prefer, **change}
+    if p != prefer and p not in out:
+      out.append(p)
+  return out
+
+
 def tune(mesh_shape: dict, max_compiles: int, plan_all, compile_one, write_plan,
-         plan_out: str, where: str = "the config's layout") -> int:
-  """``--tune``: plans every ``schedule_grid`` candidate (``plan_all``: their plan files,
-  or an error line), compiles the first ``max_compiles`` distinct plans (``compile_one``:
-  a summary with its ``plan``, or an error line), prints the table and the fastest
-  modeled program that fits (of equals the first: the planner's before a change), and
-  writes its plan (``write_plan``: the command that trains with it). ``where``: the layout,
-  for the progress line. Exit status 1 where nothing compiled fits."""
+         plan_out: str, where: str = "the config's layout", start: dict | None = None) -> int:
+  """``--tune``: a greedy search over ring schedules on compiled programs. Round 1 plans
+  every ``schedule_grid`` candidate (or, from ``start``, that schedule and each one-field
+  change of it; ``plan_all``: their plan files, or an error line) and compiles its distinct
+  plans (``compile_one``: a summary with its ``plan``, or an error line); while compiles are
+  left of ``max_compiles`` and a round's fastest program is not the one it started from, the
+  next round compiles each one-field change of that one (``neighbours``; plans compiled
+  before are skipped). Prints the table and the fastest modeled program that fits (of
+  equals the first: the planner's before a change), and writes its plan (``write_plan``:
+  the command that trains with it). ``where``: the layout, for the progress lines. Exit
+  status 1 where nothing compiled fits."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
-  grid_ = schedule_grid(mesh_shape)
-  progress(f"tune ours' ring schedules at {where}: planning {len(grid_)} "
-           "candidates (the planner's, one schedule field changed for every ring)")
-  plans = plan_all(grid_)
-  if isinstance(plans, str):
-    progress(f'error: planning the candidates: {plans}')
-    return 1
-  distinct, seen = [], {}
+  rows, prefers, seen, left_out = [], {}, {}, []
+  center, grid_ = (start, [start] + neighbours(start, mesh_shape)) if start else (
+      None, schedule_grid(mesh_shape))
+  budget, began = max_compiles, time.perf_counter()
+  for round_ in range(1, max_compiles + 1):
+    around = ("the planner's, one schedule field changed for every ring" if center is None
+              else f'{schedule_label(center)} and each change of one field'
+              if round_ == 1 else f'one schedule field changed from {schedule_label(center)}')
+    progress(f"tune ours' ring schedules at {where}, round {round_}: planning {len(grid_)} "
+             f'candidates ({around})')
+    plans = plan_all(grid_)
+    if isinstance(plans, str):
+      progress(f'error: planning the candidates: {plans}')
+      return 1
+    distinct = _distinct(grid_, plans, seen, progress if center is None else None)
+    chosen, left = distinct[:budget], distinct[budget:]
+    left_out += [schedule_label(p) for p in left]
+    progress(f'{len(distinct)} distinct plan(s)' + ('' if center is None else ' not compiled '
+                                                    'before') + f'; compiling {len(chosen)}'
+             + (f'; not compiled (--max_compiles {max_compiles}): '
+                + ', '.join(schedule_label(p) for p in left) if left else '')
+             + ('' if len(distinct) > 1 or center else ' (every candidate plans the same: it '
+                                                     'runs no ring, nothing to tune)'))
+    for i, prefer in enumerate(chosen):
+      rows.append(_tune_row(prefer, compile_one, f'[{i + 1}/{len(chosen)}]', progress))
+      prefers[rows[-1][0]] = prefer
+    budget -= len(chosen)
+    best = best_row(rows, 'ours')
+    if left or not budget or best is None or prefers[best[0]] == (center or {}):
+      break
+    center = prefers[best[0]]
+    grid_ = neighbours(center, mesh_shape)
+  progress(f'compiled {len(rows)} schedule(s) in {time.perf_counter() - began:.0f} s')
+  return _tune_result(rows, left_out, max_compiles, write_plan, plan_out)
+
+
+def _distinct(grid_: list[dict], plans: list[dict], seen: dict, progress) -> list[dict]:
+  """The candidates of ``grid_`` whose plans none before had (``seen``: plan key -> the
+  first candidate that planned it, updated), each skip named through ``progress`` if any."""
+  distinct = []
   for prefer, plan in zip(grid_, plans):
     first = seen.setdefault(plan_key(plan), prefer)
     if first is prefer:
-      distinct.append((prefer, plan))
-    else:
+      distinct.append(prefer)
+    elif progress:
       progress(f'  skip {schedule_label(prefer)}: the same plan as {schedule_label(first)}')
-  chosen, left = distinct[:max_compiles], distinct[max_compiles:]
-  not_compiled = (f'not compiled (--max_compiles {max_compiles}): '
-                  + ', '.join(schedule_label(p) for p, _ in left)) if left else ''
-  progress(f'{len(distinct)} distinct plan(s); compiling {len(chosen)}'
-           + (f'; {not_compiled}' if left else '')
-           + ('' if len(distinct) > 1 else ' (every candidate plans the same: it runs no '
-                                           'ring, nothing to tune)'))
-  rows, start = [], time.perf_counter()
-  for i, (prefer, _) in enumerate(chosen):
-    label, began = schedule_label(prefer), time.perf_counter()
-    s = compile_one(prefer)
-    if isinstance(s, str):
-      progress(f'[{i + 1}/{len(chosen)}] {label}: compile failed: {s}')
-      s = None
-    else:
-      step = s['modeled'].get('ours', {}).get('step_seconds')
-      progress(f'[{i + 1}/{len(chosen)}] {label}: modeled step '
-               + (f'{step:.4f} s' if step else '-') + f", {s['variants']['ours']['memory']['fit']} "
-               f'({time.perf_counter() - began:.0f} s)')
-    rows.append((label, None, None, s))
-  progress(f'compiled {len(chosen)} schedule(s) in {time.perf_counter() - start:.0f} s')
+  return distinct
+
+
+def _tune_result(rows, left_out: list[str], max_compiles: int, write_plan,
+                 plan_out: str) -> int:
+  """``--tune``'s table, what it left out, and the plan of the fastest that fits written."""
   print(table(rows, ['ours'], what='schedule', steps=True))
-  if not_compiled:
-    print(not_compiled)
+  if left_out:
+    print(f'not compiled (--max_compiles {max_compiles}): ' + ', '.join(left_out))
   best = best_row(rows, 'ours')
   if best is None:
     print(f'{plan_out} not written: no compiled schedule fits')
@@ -458,6 +490,21 @@ def tune(mesh_shape: dict, max_compiles: int, plan_all, compile_one, write_plan,
   command = write_plan(best[3]['plan'])
   print(f'wrote {plan_out}: the plan of {best[0]}; to train with it:\n  {command}')
   return 0
+
+
+def _tune_row(prefer: dict, compile_one, count: str, progress) -> tuple:
+  """One ``--tune`` candidate compiled: its table row, its progress line printed."""
+  label, began = schedule_label(prefer), time.perf_counter()
+  s = compile_one(prefer)
+  if isinstance(s, str):
+    progress(f'{count} {label}: compile failed: {s}')
+    s = None
+  else:
+    step = s['modeled'].get('ours', {}).get('step_seconds')
+    progress(f'{count} {label}: modeled step ' + (f'{step:.4f} s' if step else '-')
+             + f", {s['variants']['ours']['memory']['fit']} "
+             f'({time.perf_counter() - began:.0f} s)')
+  return label, None, None, s
 
 
 def best_row(rows, variant: str):

@@ -63,8 +63,8 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
      '--refine: give one of --tune and --refine'),
     (['--config', DENSE_10B, '--tune', '--variants', 'baseline,xla'],
      "--variants 'baseline,xla': --tune tunes the ours variant only"),
-    (['--config', DENSE_10B, '--tune', '--schedule', '{"unroll": 2}'],
-     '--schedule: --tune chooses the schedules itself'),
+    (['--config', DENSE_10B, '--tune', '--schedule', '{"unroll": 0}'],
+     "--schedule '{\"unroll\": 0}': unroll=0 must be an integer of at least 1"),
     (['--config', DENSE_10B, '--tune', '--max_compiles', '0'], '--max_compiles 0: --tune'),
     (['--config', DENSE_10B, '--tune', '--plan_out', '/no/such/dir/plan.json'],
      '--plan_out /no/such/dir/plan.json: cannot write a file there'),
@@ -507,6 +507,52 @@ def test_tune_compiles_each_distinct_plan_once_and_writes_the_fastest_that_fits(
   assert 'p.json not written: no compiled schedule fits' in capsys.readouterr().out
   assert tune(3, lambda prefers: 'compile failed (exit 1): bad') == 1
   assert 'error: planning the candidates: compile failed' in capsys.readouterr().err
+
+
+def test_tune_goes_on_from_the_fastest_while_compiles_are_left(capsys):
+  """--tune's rounds (search.tune): round 2 compiles each one-field change of round 1's
+  fastest program that plans anew (the rest skipped, named), round 3 those of round 2's,
+  and it stops where a round finds nothing faster; the plan written is the fastest of all
+  rounds, reached by two fields changed together."""
+  def plan(prefer):  # only additions and unroll change what compiles
+    ring = {'additions': 'fused', 'unroll': 4} | {k: v for k, v in prefer.items()
+                                                   if k in ('additions', 'unroll')}
+    return {'layers': {'x': {'decision': {'schedules': [ring]}}}}
+
+  steps = {"the planner's": 1.0, 'additions=apart': 0.97, 'additions=kernel': 0.95,
+           'unroll=1': 0.99, 'unroll=2': 0.98, 'additions=kernel unroll=1': 0.9,
+           'additions=kernel unroll=2': 0.93}
+  compiled, written = [], []
+
+  def compile_one(prefer):
+    label = search.schedule_label(prefer)
+    compiled.append(label)
+    if label not in steps:
+      return 'compile failed (exit 1): boom'
+    s = _compiled({'ours': 30.0}, {'ours': 0.5 / steps[label]})
+    s['modeled']['ours']['step_seconds'] = steps[label]
+    return s | {'plan': plan(prefer)}
+
+  assert search.tune({'fsdp': 2, 'tensor': 4}, 20, lambda prefers: [plan(p) for p in prefers],
+                     compile_one, lambda p: written.append(p) or 'train ...', 'p.json') == 0
+  out = capsys.readouterr()
+  assert compiled == ["the planner's", 'additions=apart', 'additions=kernel', 'unroll=1',
+                      'unroll=2', 'additions=kernel unroll=1', 'additions=kernel unroll=2',
+                      'additions=apart unroll=1']
+  assert written == [plan({'additions': 'kernel', 'unroll': 1})]
+  assert 'round 2: planning' in out.err and 'one schedule field changed from ' \
+      'additions=kernel)' in out.err and 'round 4' not in out.err
+  assert '2 distinct plan(s) not compiled before; compiling 2' in out.err
+  assert 'skip additions=kernel unroll=4' not in out.err  # only round 1 names its skips
+  assert 'wrote p.json: the plan of additions=kernel unroll=1; to train with it:' in out.out
+  assert 'not compiled' not in out.out
+  compiled.clear()  # from --schedule's settings: those, then each one-field change of them
+  assert search.tune({'fsdp': 2, 'tensor': 4}, 3, lambda prefers: [plan(p) for p in prefers],
+                     compile_one, lambda p: 'train ...', 'p.json',
+                     start={'unroll': 2}) == 0
+  assert compiled == ['unroll=2', 'unroll=2 additions=apart', 'unroll=2 additions=kernel']
+  assert 'round 1: planning 17 candidates (unroll=2 and each change of one field)' in (
+      capsys.readouterr().err)
 
 
 def test_plan_key_ignores_what_explains_a_decision():
