@@ -553,6 +553,12 @@ def test_tune_goes_on_from_the_fastest_while_compiles_are_left(capsys):
   assert compiled == ['unroll=2', 'unroll=2 additions=apart', 'unroll=2 additions=kernel']
   assert 'round 1: planning 17 candidates (unroll=2 and each change of one field)' in (
       capsys.readouterr().err)
+  compiled.clear()  # a gain under ROUND_MIN_GAIN is no reason for another round
+  steps.update({k: 0.999 for k in ('additions=apart', 'additions=kernel', 'unroll=1',
+                                    'unroll=2')})
+  assert search.tune({'fsdp': 2, 'tensor': 4}, 20, lambda prefers: [plan(p) for p in prefers],
+                     compile_one, lambda p: 'train ...', 'p.json') == 0
+  assert len(compiled) == 5 and 'round 2' not in capsys.readouterr().err
 
 
 def test_plan_key_ignores_what_explains_a_decision():
