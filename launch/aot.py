@@ -52,11 +52,11 @@ weight-gradient rings, ``schedule.ACCUMULATORS``; each value of ``schedule.CHOIC
 ``unroll`` 1, 2 and the longest ring's steps), as ``--schedule`` sets them; candidates whose
 plans would compile the same are dropped, the first N distinct ones compiled (default 6; the
 rest named), each a progress line (modeled step, fit). While compiles are left, a next round
-compiles each one-field change of the fastest so far, until a round finds nothing faster
-(two fields changed together: ``v5p.py:moe_1t``'s plan). With ``--schedule S`` it starts
-from S (S and each one-field change of it) instead of the planner's. It prints a table and
-writes the plan of the fastest
-modeled program that fits to PATH (default ``./plan.json``, through a temporary file), with
+compiles each one-field change of the fastest so far, until a round finds nothing 0.5%
+faster (``search.ROUND_MIN_GAIN``; two fields changed together: ``v5p.py:moe_1t``'s plan).
+With ``--schedule S`` it starts from S (S and each one-field change of it) instead of the
+planner's. It prints a table and writes the plan of the fastest modeled program that fits to
+PATH (default ``./plan.json``, through a temporary file), with
 the command that trains with it (``python -m trainer.train --config ...
 --config.parallelism.plan=PATH``); ``launch.aot --variants ours
 --config.parallelism.plan=PATH`` compiles that plan again. With ``--search`` it first
