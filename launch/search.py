@@ -429,10 +429,10 @@ def tune(mesh_shape: dict, max_compiles: int, plan_all, compile_one, write_plan,
   plans (``compile_one``: a summary with its ``plan``, or an error line); while compiles are
   left of ``max_compiles`` and a round's fastest program models ``ROUND_MIN_GAIN`` faster
   than the one it started from, the next round compiles each one-field change of that one
-  (``neighbours``; plans compiled before are skipped). Prints the table and the fastest modeled program that fits (of
-  equals the first: the planner's before a change), and writes its plan (``write_plan``:
-  the command that trains with it). ``where``: the layout, for the progress lines. Exit
-  status 1 where nothing compiled fits."""
+  (``neighbours``; plans compiled before are skipped). Prints the table and the fastest
+  modeled program that fits (of equals the first: the planner's before a change), and
+  writes its plan (``write_plan``: the command that trains with it). ``where``: the layout,
+  for the progress lines. Exit status 1 where nothing compiled fits."""
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   rows, prefers, seen, left_out = [], {}, {}, []
   center, grid_ = (start, [start] + neighbours(start, mesh_shape)) if start else (
