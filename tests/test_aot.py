@@ -454,6 +454,22 @@ def test_tune_with_search_tunes_at_the_best_layout_that_fits(monkeypatch, capsys
   assert len(tuned) == 1
 
 
+def _fake_compile(steps: dict, plan, compiled: list):
+  """--tune's compile_one (search.tune) faked: each label's (modeled step, GiB a chip) from
+  ``steps``, a failed compile for any other label; each label compiled appended to
+  ``compiled``."""
+  def compile_one(prefer):
+    label = search.schedule_label(prefer)
+    compiled.append(label)
+    if label not in steps:
+      return 'compile failed (exit 1): boom'
+    step, gib = steps[label]
+    s = _compiled({'ours': gib}, {'ours': 0.5 / step})
+    s['modeled']['ours']['step_seconds'] = step
+    return s | {'plan': plan(prefer)}
+  return compile_one
+
+
 def test_tune_compiles_each_distinct_plan_once_and_writes_the_fastest_that_fits(capsys):
   """--tune (search.tune) with the compiles faked: candidates whose plans compile the same
   (only the cost model's figures differ) are compiled once, --max_compiles caps the rest
@@ -472,16 +488,7 @@ def test_tune_compiles_each_distinct_plan_once_and_writes_the_fastest_that_fits(
   steps = {"the planner's": (1.0, 30.0), 'additions=apart': (0.9, 31.0),
            'additions=kernel': (0.95, 30.5)}
   written, compiled = [], []
-
-  def compile_one(prefer):
-    label = search.schedule_label(prefer)
-    compiled.append(label)
-    if label not in steps:
-      return 'compile failed (exit 1): boom'
-    step, gib = steps[label]
-    s = _compiled({'ours': gib}, {'ours': 0.5 / step})
-    s['modeled']['ours']['step_seconds'] = step
-    return s | {'plan': plan(prefer)}
+  compile_one = _fake_compile(steps, plan, compiled)
 
   def tune(max_compiles, plan_all=lambda prefers: [plan(p) for p in prefers]):
     return search.tune({'fsdp': 2, 'tensor': 4}, max_compiles, plan_all, compile_one,
@@ -519,19 +526,12 @@ def test_tune_goes_on_from_the_fastest_while_compiles_are_left(capsys):
                                                    if k in ('additions', 'unroll')}
     return {'layers': {'x': {'decision': {'schedules': [ring]}}}}
 
-  steps = {"the planner's": 1.0, 'additions=apart': 0.97, 'additions=kernel': 0.95,
-           'unroll=1': 0.99, 'unroll=2': 0.98, 'additions=kernel unroll=1': 0.9,
-           'additions=kernel unroll=2': 0.93}
+  steps = {label: (step, 30.0) for label, step in (
+      ("the planner's", 1.0), ('additions=apart', 0.97), ('additions=kernel', 0.95),
+      ('unroll=1', 0.99), ('unroll=2', 0.98), ('additions=kernel unroll=1', 0.9),
+      ('additions=kernel unroll=2', 0.93))}
   compiled, written = [], []
-
-  def compile_one(prefer):
-    label = search.schedule_label(prefer)
-    compiled.append(label)
-    if label not in steps:
-      return 'compile failed (exit 1): boom'
-    s = _compiled({'ours': 30.0}, {'ours': 0.5 / steps[label]})
-    s['modeled']['ours']['step_seconds'] = steps[label]
-    return s | {'plan': plan(prefer)}
+  compile_one = _fake_compile(steps, plan, compiled)
 
   assert search.tune({'fsdp': 2, 'tensor': 4}, 20, lambda prefers: [plan(p) for p in prefers],
                      compile_one, lambda p: written.append(p) or 'train ...', 'p.json') == 0
@@ -554,8 +554,8 @@ def test_tune_goes_on_from_the_fastest_while_compiles_are_left(capsys):
   assert 'round 1: planning 17 candidates (unroll=2 and each change of one field)' in (
       capsys.readouterr().err)
   compiled.clear()  # a gain under ROUND_MIN_GAIN is no reason for another round
-  steps.update({k: 0.999 for k in ('additions=apart', 'additions=kernel', 'unroll=1',
-                                    'unroll=2')})
+  steps.update({k: (0.999, 30.0) for k in ('additions=apart', 'additions=kernel', 'unroll=1',
+                                            'unroll=2')})
   assert search.tune({'fsdp': 2, 'tensor': 4}, 20, lambda prefers: [plan(p) for p in prefers],
                      compile_one, lambda p: 'train ...', 'p.json') == 0
   assert len(compiled) == 5 and 'round 2' not in capsys.readouterr().err
