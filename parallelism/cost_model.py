@@ -119,6 +119,13 @@ class Estimate:
   step_transfer_seconds: float  # t
   seconds: dict[str, float]
   step_memory_bound: bool = False  # c is set by HBM traffic, not FLOPs
+  round_compute_seconds: float = 0.0  # c2, a bidirectional round's einsum over two blocks
+
+  def link_bound(self, mode: str) -> bool:
+    """Whether a ring step (a round, bidirectional) in ``mode`` waits for its transfer:
+    ``t`` outlasts its einsum's ``c`` (``c2``), so the ring hides only its own einsums."""
+    return self.step_transfer_seconds > (
+        self.round_compute_seconds if mode == 'bidirectional' else self.step_compute_seconds)
 
   @property
   def best_ring(self) -> str:
@@ -195,7 +202,7 @@ def estimate(eq: Equation, plan: AxisPlan, lhs_shape, rhs_shape, dtype, mesh,
     bi = t_comp + t_comm + rounds * lat
   return Estimate(profile.name, plan.axis, n, t_comp, t_comm, c, t,
                   {'none': t_comp + t_comm, 'unidirectional': uni, 'bidirectional': bi},
-                  (step_bytes + step_sums) / hbm > flops / n / peak)
+                  (step_bytes + step_sums) / hbm > flops / n / peak, c2)
 
 
 def _sliced_copy_bytes(eq: Equation, plan: AxisPlan, local: dict, n: int,

@@ -187,6 +187,10 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
     for which, r, forms in zip(('lhs', 'rhs'), rings, seconds):
       if r is None and which == 'rhs' and accumulators == 'none':
         reason += "; gradient of rhs as one einsum (accumulators='none')"
+      elif r is None and any(k.endswith(f' over {chosen.axis}') and v < forms['one einsum']
+                             for k, v in forms.items() if not k.startswith("compiler's")):
+        reason += (f'; gradient of {which} as one einsum (its ring over {chosen.axis} would '
+                   "wait for its transfers beside the data gradient's ring)")
       elif r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
         reason += f'; gradient of {which} as one einsum (its ring would be slower)'
       elif r is None:  # no ring was priced
@@ -369,6 +373,19 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
   data gradient: 0.125 s a step exposed; bidirectional, 0.047 s, the step 4.437 -> 4.342
   s, modeled).
 
+  That ring is priced (for the report) but no candidate where its rounds wait for their
+  transfers (``Estimate.link_bound``: a block's transfer outlasts the round's einsum over
+  two blocks) while the data gradient's ring runs over the same axis: its transfers then
+  overlap only its own einsums, on the links the data gradient's ring uses, where as one
+  einsum the compiler's asynchronous gather of its operand overlaps any compute beside it.
+  The per-einsum prices cannot see that; the compiled programs do (``launch.aot
+  --variants ours``, planned alone, modeled): it makes the attention weight gradients one
+  einsum at ``dense_64b`` (4.6282 -> 4.5605 s a step), ``moe_1t`` (3.6904 -> 3.6147 s) and
+  v5p ``moe_1t`` (3.8082 -> 3.7866 s) and changes no other paper config's plan. Where a
+  round's einsum outlasts its transfer the ring stays (taking the one-way test, ``t``
+  against one block's ``c``, also moved 64B's ``mlp.down`` and v5p 500B's ``attn.o``
+  weight gradients: 4.6711 and 8.6648 s, slower).
+
   The cotangent's gather over the forward's axis is counted even where the data
   gradient's ring hands it on whole (``keeps_cotangent``), which the forms other than the
   forward's ring then save: not counting it moved dense_500b's ``attn.o`` weight gradient
@@ -419,7 +436,12 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
       m = est[p.axis].best_ring
       total[p.axis, m] = est[p.axis].seconds[m] + left(p.axis)
     plain = est[candidates[0].axis].compute_seconds + sum(compiler.values())
-    best = min(total, key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
+    # priced for the report, but no candidate where it waits for its transfers on the links
+    # the data gradient's ring over the same axis uses (docstring)
+    queued = (which == 'rhs' and own_ring and rings[0] is not None and rings[0][0] == axis
+              and est[axis].link_bound(own))
+    best = min((r for r in total if not (queued and r == (axis, own))),
+               key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
     ringed = best and total[best] <= plain and not (which == 'rhs' and accumulators == 'none')
     rings.append(best if ringed else None)
     seconds[which] = {'one einsum': plain, **{f'{m} over {a}': s for (a, m), s in total.items()},

@@ -17,9 +17,9 @@ it is traced. The planner's rule (``choose``):
   ``OVERLAPPED_UNROLL`` steps an iteration). The sliced operands keep the compiler's layout.
 
 These are the settings the paper configs had been given by hand, made rules: planned alone,
-six of the eight paper programs model within 1% of their hand-set schedules or better, the
-two ``moe_1t`` layouts 3.0% and 1.8% behind, where their ``launch.aot --tune`` plan files
-are faster than the hand-set schedules (docs/parallelism.md has the table and the commands;
+seven of the eight paper programs model within 1% of their hand-set schedules or better,
+v5p ``moe_1t`` 1.2% behind, where its ``launch.aot --tune`` plan file is faster than the
+hand-set schedule (docs/parallelism.md has the table and the commands;
 ``launch.aot --schedule`` compiles any other setting to compare).
 Each rule's reason and the compiled programs it was checked on: docs/parallelism.md.
 A plan file (or a test) may set any field for a layer's rings (``prefer``): each ring takes

@@ -346,6 +346,17 @@ def test_cost_model_formula_by_hand():
   # Two rounds: two blocks through one einsum, then the opposite block alone, a half of it
   # over each direction (an even ring).
   assert est.seconds['bidirectional'] == pytest.approx(c + max(2 * c, t) + max(c, t / 2))
+  assert est.round_compute_seconds == pytest.approx(2 * c)
+  # Here a step's transfer outlasts its einsum (t = 128 c): the ring waits for its links.
+  assert est.link_bound('unidirectional') and est.link_bound('bidirectional')
+
+
+def test_a_ring_is_link_bound_where_its_step_or_round_waits_for_its_transfer():
+  """One-way, a step's transfer against its einsum; two-way, a round's (one block each
+  way) against its einsum over two blocks (decision._backward_forms reads it)."""
+  est = cost_model.Estimate('toy', T, 4, 1.0, 0.1, 0.25, 0.3, {}, round_compute_seconds=0.45)
+  assert est.link_bound('unidirectional') and not est.link_bound('bidirectional')
+  assert not dataclasses.replace(est, step_transfer_seconds=0.2).link_bound('unidirectional')
 
 
 @pytest.mark.parametrize('bi, expected', [(0.995, 'unidirectional'), (0.98, 'bidirectional'),
@@ -689,13 +700,20 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
     gate_up(prefer={'accumulators': 'whole'})
   # 64B's attn.qkv at 512 sequences: 1,280 columns a chip, so each of its 64 ring steps over
   # fsdp computes little, and copies its strided block of x ([8, 2048, 128]) first (compiled:
-  # 4.588 s a step against 4.527 s for one einsum, modeled before links took turns); one
-  # einsum leaves x's gather over tensor besides the reduce-scatter over fsdp: the ring
-  # over tensor costs least.
+  # 4.588 s a step against 4.527 s for one einsum, modeled before links took turns). Its
+  # ring over tensor models cheapest, but a round's 8 MiB transfer outlasts its einsum over
+  # two blocks, beside the data gradient's ring over tensor: one einsum, whose gather the
+  # compiler overlaps with other compute (compiled: 64B 4.6282 -> 4.5605 s a step with
+  # attn.o's alike, modeled). gate_up's rounds above outlast their transfers: it rings.
   d = explain('btd,dkgh->btkgh', (512, 2048, 8192), (8192, 8, 10, 128), 'bfloat16',
               mesh=mesh64, lhs_spec=P(B, T, None), rhs_spec=P(F, T, None, None),
               out_spec=P(B, None, T, None, None), hardware='tpu_v4')
-  assert d.backward == ('ring', 'ring') and d.backward_over == (None, None), d
+  assert d.backward == ('ring', 'none') and d.backward_over == (None, None), d
+  forms = d.gradient_seconds[1]
+  assert forms['bidirectional over tensor'] < min(forms['one einsum'],
+                                                  forms['bidirectional over fsdp']), forms
+  assert d.reason.endswith("gradient of rhs as one einsum (its ring over tensor would wait "
+                           "for its transfers beside the data gradient's ring)"), d.reason
   # Where data shards the batch too (data=2), the ring over fsdp still sums the batch's
   # partial products; the compiler then sums each block over data.
   mesh = jax.sharding.AbstractMesh((2, 64, 8), (D, F, T))
