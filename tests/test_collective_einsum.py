@@ -701,10 +701,11 @@ def test_weight_gradient_rings_over_fsdp_where_its_reduce_scatter_costs_more():
   # 64B's attn.qkv at 512 sequences: 1,280 columns a chip, so each of its 64 ring steps over
   # fsdp computes little, and copies its strided block of x ([8, 2048, 128]) first (compiled:
   # 4.588 s a step against 4.527 s for one einsum, modeled before links took turns). Its
-  # ring over tensor models cheapest, but a round's 32 MiB transfer (x's block) outlasts its einsum over
-  # two blocks, beside the data gradient's ring over tensor: one einsum, whose gather the
-  # compiler overlaps with other compute (compiled: 64B 4.6282 -> 4.5605 s a step with
-  # attn.o's alike, modeled). gate_up's rounds above outlast their transfers: it rings.
+  # ring over tensor models cheapest, but a round's 32 MiB transfer (x's block) outlasts
+  # its einsum over two blocks, beside the data gradient's ring over tensor: one einsum,
+  # whose gather the compiler overlaps with other compute (compiled: 64B 4.6282 -> 4.5605 s
+  # a step with attn.o's alike, modeled). gate_up's rounds above outlast their transfers:
+  # it rings.
   d = explain('btd,dkgh->btkgh', (512, 2048, 8192), (8192, 8, 10, 128), 'bfloat16',
               mesh=mesh64, lhs_spec=P(B, T, None), rhs_spec=P(F, T, None, None),
               out_spec=P(B, None, T, None, None), hardware='tpu_v4')
