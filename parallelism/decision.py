@@ -179,16 +179,15 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
                                        < estimate.seconds['unidirectional']):
       reason += (f' (bidirectional models less than {cost_model.BIDIRECTIONAL_MIN_GAIN:.0%} '
                  'faster: the simpler ring)')
-    rings, seconds = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype, mesh,
-                                     hardware, form, accumulators)
+    rings, seconds, waits = _backward_forms(eq, chosen.axis, choice, shapes, all_specs, dtype,
+                                            mesh, hardware, form, accumulators)
     backward = tuple('none' if r is None else 'ring' for r in rings)
     backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
                           for r in rings)
     for which, r, forms in zip(('lhs', 'rhs'), rings, seconds):
       if r is None and which == 'rhs' and accumulators == 'none':
         reason += "; gradient of rhs as one einsum (accumulators='none')"
-      elif r is None and any(k.endswith(f' over {chosen.axis}') and v < forms['one einsum']
-                             for k, v in forms.items() if not k.startswith("compiler's")):
+      elif r is None and which in waits:
         reason += (f'; gradient of {which} as one einsum (its ring over {chosen.axis} would '
                    "wait for its transfers beside the data gradient's ring)")
       elif r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
@@ -332,8 +331,8 @@ def _gradients_alone(plain: Decision, eq: Equation, shapes, specs, dtype, mesh, 
   """
   if not enabled:
     return plain
-  rings, seconds = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
-                                   form, accumulators)
+  rings, seconds, _ = _backward_forms(eq, None, None, shapes, specs, dtype, mesh, hardware,
+                                      form, accumulators)
   if not any(rings):
     return dataclasses.replace(plain, gradient_seconds=seconds)
   reason = plain.reason + ''.join(_blocking(w, r) for w, r in zip(('lhs', 'rhs'), rings) if r)
@@ -350,8 +349,9 @@ def _blocking(which: str, ring: tuple[str, str]) -> str:
 
 def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, specs, dtype,
                     mesh, hardware, form: _Priced, accumulators: str):
-  """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; and
-  the modeled seconds of each one's forms (``Decision.gradient_seconds``).
+  """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; the
+  modeled seconds of each one's forms (``Decision.gradient_seconds``); and which gradients
+  ('lhs', 'rhs') are one einsum only because their ring would wait for its links (below).
 
   The candidates are one einsum, the ring over the forward's ``axis`` (in its ``mode``)
   and a ring over any other axis over which the gradient einsum reduce-scatters (a weight
@@ -407,7 +407,7 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
                         (out_shape, shapes[1])),
                 'rhs': (f'{eq.lhs},{eq.out}->{eq.rhs}', (lhs_spec, out_spec, rhs_spec),
                         (shapes[0], out_shape))}
-  rings, seconds = [], {'lhs': {}, 'rhs': {}}
+  rings, seconds, waits = [], {'lhs': {}, 'rhs': {}}, []
   for which, (equation, t_specs, t_shapes) in transposed.items():
     t_eq, plans = einsum_plan.plan(equation, *t_specs)
     plan = next((p for p in plans if p.axis == axis), None) if axis else None
@@ -444,9 +444,11 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
                key=lambda r: (total[r], r[0] != axis), default=None)  # ties: forward's
     ringed = best and total[best] <= plain and not (which == 'rhs' and accumulators == 'none')
     rings.append(best if ringed else None)
+    if queued and not ringed and total[axis, own] <= plain:
+      waits.append(which)
     seconds[which] = {'one einsum': plain, **{f'{m} over {a}': s for (a, m), s in total.items()},
                       **{f"compiler's collective over {a}": s for a, s in compiler.items()}}
-  return tuple(rings), (seconds['lhs'], seconds['rhs'])
+  return tuple(rings), (seconds['lhs'], seconds['rhs']), tuple(waits)
 
 
 def _estimate(eq: Equation, plan: AxisPlan, shapes, specs, dtype, mesh, hardware,
