@@ -352,6 +352,9 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
   """(axis, mode) of each gradient einsum's ring (of lhs, rhs), or None: one einsum; the
   modeled seconds of each one's forms (``Decision.gradient_seconds``); and which gradients
   ('lhs', 'rhs') are one einsum only because their ring would wait for its links (below).
+  Each rule below was kept because the compiled programs, planned with and without it,
+  model faster with it; docs/parallelism.md has those programs' steps, and the rules tried
+  and not kept.
 
   The candidates are one einsum, the ring over the forward's ``axis`` (in its ``mode``)
   and a ring over any other axis over which the gradient einsum reduce-scatters (a weight
@@ -360,37 +363,26 @@ def _backward_forms(eq: Equation, axis: str | None, mode: str | None, shapes, sp
   blocks the chip (synchronous under the TPU flags), an all-gather of the cotangent is
   waited for, and an all-gather of one of the forward's inputs, though the compiler
   prefetches it asynchronously, holds the links of the forward's axis while the other
-  gradient's ring runs over them, so the two take turns (the step model's ``links``; 64B's
-  ``mlp.gate_up``: x's gather over tensor queued the data gradient's ring behind it; counted,
-  its weight gradient rings over tensor: 64B 4.700 -> 4.649 s a step, 500B 8.027 -> 7.859 s,
-  modeled). The least wins; ties go to the forward's ring.
+  gradient's ring runs over them, so the two take turns (the step model's ``links``). The
+  least wins; ties go to the forward's ring.
 
   The weight's gradient (of ``rhs``, the weight in ``Ops.einsum``) rings over the forward's
   axis bidirectionally whatever the forward's mode (``WEIGHT_GRADIENT_MODE``): it is off
   the critical path, and the scheduler runs it beside the next layer's data-gradient
   rings, which use both directions of the same links; unidirectional, all its transfers
-  queue on one of them (dense_64b's ``mlp.gate_up`` weight gradient beside ``attn.o``'s
-  data gradient: 0.125 s a step exposed; bidirectional, 0.047 s, the step 4.437 -> 4.342
-  s, modeled).
+  would queue on one of them.
 
   That ring is priced (for the report) but no candidate where its rounds wait for their
   transfers (``Estimate.link_bound``: a block's transfer outlasts the round's einsum over
   two blocks) while the data gradient's ring runs over the same axis: its transfers then
   overlap only its own einsums, on the links the data gradient's ring uses, where as one
   einsum the compiler's asynchronous gather of its operand overlaps any compute beside it.
-  The per-einsum prices cannot see that; the compiled programs do (``launch.aot
-  --variants ours``, planned alone, modeled): it makes the attention weight gradients one
-  einsum at ``dense_64b`` (4.6282 -> 4.5605 s a step), ``moe_1t`` (3.6904 -> 3.6147 s) and
-  v5p ``moe_1t`` (3.8082 -> 3.7866 s) and changes no other paper config's plan. Where a
-  round's einsum outlasts its transfer the ring stays (taking the one-way test, ``t``
-  against one block's ``c``, also moved 64B's ``mlp.down`` and v5p 500B's ``attn.o``
-  weight gradients: 4.6711 and 8.6648 s, slower).
+  The per-einsum prices cannot see that; the compiled programs do.
 
   The cotangent's gather over the forward's axis is counted even where the data
   gradient's ring hands it on whole (``keeps_cotangent``), which the forms other than the
-  forward's ring then save: not counting it moved dense_500b's ``attn.o`` weight gradient
-  from the ring over tensor to the one over fsdp, 7.834 s a step against 7.773 s
-  (modeled): the fsdp ring's 128 short steps cost more than the model says.
+  forward's ring then save: not counting it moves dense_500b's ``attn.o`` weight gradient
+  to the ring over fsdp, whose 128 short steps cost more than the model says.
 
   Under ``accumulators`` 'sharded' (``schedule.ACCUMULATORS``) an all-gather ring over the
   forward's axis is no candidate where the gradient is reduced over another axis afterwards:
