@@ -184,23 +184,7 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
     backward = tuple('none' if r is None else 'ring' for r in rings)
     backward_over = tuple(None if r is None or r == (chosen.axis, choice) else r
                           for r in rings)
-    for which, r, forms in zip(('lhs', 'rhs'), rings, seconds):
-      if r is None and which == 'rhs' and accumulators == 'none':
-        reason += "; gradient of rhs as one einsum (accumulators='none')"
-      elif r is None and which in waits:
-        reason += (f'; gradient of {which} as one einsum (its ring over {chosen.axis} would '
-                   "wait for its transfers beside the data gradient's ring)")
-      elif r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
-        reason += f'; gradient of {which} as one einsum (its ring would be slower)'
-      elif r is None:  # no ring was priced
-        reason += f'; gradient of {which} as one einsum (no ring can run it' + (
-            ": under accumulators='sharded' not the one over "
-            f'{chosen.axis}' if accumulators == 'sharded' else '') + ')'
-      elif r[0] != chosen.axis:
-        reason += _blocking(which, r)
-      elif r[1] != choice:
-        reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
-                   'rings, on both link directions)')
+    reason += _gradient_reasons(chosen.axis, choice, rings, seconds, waits, accumulators)
     return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason,
                     backward, backward_over, seconds, ring_dtype=ring_dtype)
   choice, reason = mode, f'mode="{mode}"'
@@ -210,6 +194,30 @@ def _decide(equation, lhs_shape, rhs_shape, dtype, mesh, all_specs, mode, hardwa
                                                                   f'{estimate.hardware})')
   return Decision(str(eq), choice, chosen.axis, chosen.kind, others, estimate, reason,
                   ring_dtype=ring_dtype)
+
+
+def _gradient_reasons(axis, choice, rings, seconds, waits, accumulators) -> str:
+  """What ``Decision.reason`` adds for each gradient einsum not run as the forward's ring
+  (``_backward_forms``' rings, priced forms and waits)."""
+  reason = ''
+  for which, r, forms in zip(('lhs', 'rhs'), rings, seconds):
+    if r is None and which == 'rhs' and accumulators == 'none':
+      reason += "; gradient of rhs as one einsum (accumulators='none')"
+    elif r is None and which in waits:
+      reason += (f'; gradient of {which} as one einsum (its ring over {axis} would '
+                 "wait for its transfers beside the data gradient's ring)")
+    elif r is None and len(forms) > 1 + sum(k.startswith("compiler's") for k in forms):
+      reason += f'; gradient of {which} as one einsum (its ring would be slower)'
+    elif r is None:  # no ring was priced
+      reason += f'; gradient of {which} as one einsum (no ring can run it' + (
+          ": under accumulators='sharded' not the one over "
+          f'{axis}' if accumulators == 'sharded' else '') + ')'
+    elif r[0] != axis:
+      reason += _blocking(which, r)
+    elif r[1] != choice:
+      reason += (f'; gradient of {which} {r[1]} (beside the next layer\'s gradient '
+                 'rings, on both link directions)')
+  return reason
 
 
 def with_schedules(decision: Decision, lhs_shape, rhs_shape, *, mesh, lhs_spec, rhs_spec,
