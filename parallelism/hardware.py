@@ -151,10 +151,12 @@ PROFILES = {p.name: p for p in (
                     compiler_flags=MAXTEXT_TPU_FLAGS),
     HardwareProfile('h100', 989e12, 'H100 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
                     hbm_bandwidth=3.35e12, usable_hbm_bytes=80e9, platform='gpu',
-                    async_all_to_all=True,                    device_kind=r'NVIDIA H100.*', compiler_flags=GPU_OVERLAP_FLAGS),
+                    async_all_to_all=True, device_kind=r'NVIDIA H100.*',
+                    compiler_flags=GPU_OVERLAP_FLAGS),
     HardwareProfile('h200', 989e12, 'H200 SXM data sheet, dense bf16', 450e9, 1, 5e-6, True,
                     hbm_bandwidth=4.8e12, usable_hbm_bytes=141e9, platform='gpu',
-                    async_all_to_all=True,                    device_kind=r'NVIDIA H200.*', compiler_flags=GPU_OVERLAP_FLAGS),
+                    async_all_to_all=True, device_kind=r'NVIDIA H200.*',
+                    compiler_flags=GPU_OVERLAP_FLAGS),
 )}
 TPU_PREFIXES = {p.tpu.prefix: p for p in PROFILES.values() if p.tpu}
 
