@@ -183,17 +183,7 @@ def launch(num: int, per_process: int, command: list[str], log_dir: str) -> int:
   coordinator = f'127.0.0.1:{free_port()}'
   print(f'launch.local: {num} processes x {per_process} CPU devices, coordinator '
         f'{coordinator}, logs in {log_dir}/', flush=True)
-  procs = []
-  for i in range(num):
-    # CPU processes (JAX_PLATFORMS=cpu unless set): hardware.name=auto would
-    # otherwise give every process all of this machine's GPUs.
-    env = {'JAX_PLATFORMS': 'cpu', **os.environ, 'RINGTRAIN_COORDINATOR': coordinator,
-           'RINGTRAIN_NUM_PROCESSES': str(num), 'RINGTRAIN_PROCESS_ID': str(i),
-           'RINGTRAIN_CPU_DEVICES': str(per_process), 'PYTHONUNBUFFERED': '1'}
-    procs.append(Process(i, command, env, os.path.join(log_dir, f'process_{i}.log')))
-  for p in procs:
-    p.start()
-  stopping = []
+  procs, stopping = [], []
 
   def forward(signum, frame):  # pylint: disable=unused-argument
     if not stopping:
@@ -203,9 +193,24 @@ def launch(num: int, per_process: int, command: list[str], log_dir: str) -> int:
     for p in procs:
       p.signal(signum)
 
+  # Passed on from before the first process starts: a stop that came while they started (or
+  # once one had printed) would otherwise end the launcher alone.
   previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return _supervise(procs, stopping)
+    for i in range(num):
+      if stopping:  # none started after a stop
+        break
+      # CPU processes (JAX_PLATFORMS=cpu unless set): hardware.name=auto would
+      # otherwise give every process all of this machine's GPUs.
+      env = {'JAX_PLATFORMS': 'cpu', **os.environ, 'RINGTRAIN_COORDINATOR': coordinator,
+             'RINGTRAIN_NUM_PROCESSES': str(num), 'RINGTRAIN_PROCESS_ID': str(i),
+             'RINGTRAIN_CPU_DEVICES': str(per_process), 'PYTHONUNBUFFERED': '1'}
+      procs.append(Process(i, command, env, os.path.join(log_dir, f'process_{i}.log')))
+      if stopping:  # a stop while it started: forward may have run before it was in procs
+        procs[-1].signal(stopping[0])
+    for p in procs:
+      p.start()
+    return _supervise(procs, stopping) if procs else 128 + stopping[0]
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)

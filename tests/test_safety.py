@@ -258,6 +258,28 @@ def test_launch_local_forwards_stop_signals_and_waits(tmp_path, sig):
   assert 'Traceback' not in out, out
 
 
+def test_launch_local_passes_on_a_stop_that_comes_while_the_processes_start(tmp_path,
+                                                                          monkeypatch):
+  """The launcher's handlers are in place before its first process starts: a SIGTERM that
+  comes as it starts (before the launcher knows the process) reaches it, no other starts,
+  and the launcher returns 128 + 15 rather than dying alone."""
+  from launch import local  # pylint: disable=g-import-not-at-top
+  made = []
+
+  class StoppedAsItStarts(local.Process):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      made.append(self)
+      os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler runs before it is in procs
+
+  monkeypatch.setattr(local, 'Process', StoppedAsItStarts)
+  before = signal.getsignal(signal.SIGTERM)
+  code = local.launch(2, 1, [sys.executable, '-c', CHILD], str(tmp_path))
+  assert code == 128 + signal.SIGTERM
+  assert len(made) == 1 and made[0].popen.returncode is not None
+  assert signal.getsignal(signal.SIGTERM) == before  # pylint: disable=comparison-with-callable
+
+
 def _children(pid):
   with open(f'/proc/{pid}/task/{pid}/children') as f:
     return [int(p) for p in f.read().split()]
