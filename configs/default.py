@@ -10,7 +10,7 @@ fp32, on the Python standard library source (see trainer/data.py), with every
 dense layer decomposed into a collective einsum. Each eval line shows gzip -9's
 and xz -9e's bits per byte on the same held-out bytes (trainer/compression.py);
 the last should read about eval_bpb 1.98 (gzip -9 1.851, xz -9e 1.774), after
-about 10 minutes on an idle 2-core machine (install excluded; python -m
+about 8 minutes on an idle 2-core machine (install excluded; python -m
 trainer.data prints the references alone). The model is small and the batch
 large for the two cores: 4.3 M tokens through 1.1 M parameters score better
 than fewer tokens through a larger model in the same time (README, "What make
