@@ -227,6 +227,9 @@ def load(args, overrides) -> tuple:
     info = _check(cfg, chips)
   except (KeyError, ValueError) as e:
     raise ConfigError(str(e).strip('"')) from None
+  if (cfg.parallelism.plan and 'ours' in variants and not getattr(args, 'tune', False)
+      and not getattr(args, 'schedule', '')):  # --tune and --schedule plan anew
+    _check_plan(cfg.parallelism.plan, _mesh_shape(cfg, chips), chip.name)
   return cfg, topology, chip, chips, variants, info
 
 
@@ -251,8 +254,7 @@ def _check(cfg: Config, chips: int) -> dict:
   """What trainer.train checks before compiling, against the slice's chip count."""
   cfg.validate()
   cfg = validation.resolve_attention(cfg, 'tpu')
-  sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)
-  shape = {a: d * i for a, (d, i) in sizes.items()}
+  shape = _mesh_shape(cfg, chips)
   model = abstract_model(cfg.transformer())
   validation.check_layout(cfg, shape, model.params)
   return {'parameters': count_params(model.params),
@@ -260,6 +262,26 @@ def _check(cfg: Config, chips: int) -> dict:
           'tokens_per_step': cfg.batch_size * cfg.seq_len, 'remat': cfg.model.remat,
           'model_flops_per_step': metrics.flops_per_token(model.cfg, cfg.seq_len)
                                   * cfg.batch_size * cfg.seq_len}
+
+
+def _mesh_shape(cfg: Config, chips: int) -> dict[str, int]:
+  """``{axis: size}`` of the config's mesh on ``chips`` chips (ValueError where none fits)."""
+  return {a: d * i for a, (d, i) in mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips).items()}
+
+
+def _check_plan(path: str, shape: dict, hardware_name: str) -> None:
+  """Ours' plan file, read and matched to the slice's mesh and chip before anything
+  compiles; ConfigError in one line. Its layers are matched where ours plans (its worker)."""
+  try:
+    saved = plan_file.read(path)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  for what, planned, here in (('mesh', saved['mesh'], shape),
+                              ('hardware', saved['hardware'], hardware_name)):
+    if planned != here:
+      raise ConfigError(f'parallelism.plan={path!r} does not fit this slice: the plan is for '
+                        f"{what} {planned}, this slice's is {here} "
+                        "(--config.parallelism.plan='' plans anew)")
 
 
 def make_hlo_dir(path: str, *subdirs: str) -> None:

@@ -92,6 +92,32 @@ def test_an_hlo_dir_that_cannot_be_made_is_refused_before_compiling(tmp_path, mo
     assert line.startswith(f'error: --hlo_dir {hlo_dir}: ') and expected in line, line
 
 
+def test_a_plan_file_for_another_slice_is_refused_before_compiling(monkeypatch, capsys):
+  """Ours' plan file is read and matched to the slice's mesh and chip before the baseline's
+  compile, not minutes later in ours' worker."""
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(aot.importlib.util, 'find_spec',  # as if libtpu were installed
+                      lambda name, *a: object() if name == 'libtpu' else find_spec(name, *a))
+  monkeypatch.setattr(aot, 'run_variant', lambda *a: pytest.fail('compiled'))
+  plan_64b = os.path.join(ROOT, 'configs', 'plans', 'dense_64b.json')  # fsdp=64 x tensor=8, v4
+  for args, expected in (
+      (['--config.parallelism.plan=/no/such/plan.json'],
+       "parallelism.plan='/no/such/plan.json' is not a file"),
+      ([f'--config.parallelism.plan={ROOT}/README.md'], 'is no plan file: JSONDecodeError'),
+      ([f'--config.parallelism.plan={plan_64b}'], "does not fit this slice: the plan is for "
+       "mesh {'data': 1, 'fsdp': 64, 'tensor': 8, 'expert': 1}, this slice's is {'data': 4, "),
+      ([f'--config.parallelism.plan={plan_64b}', '--config.mesh.data=1',
+        '--config.mesh.fsdp=64', '--config.mesh.tensor=8', '--topology', 'v5p:8x8x8'],
+       "the plan is for hardware tpu_v4, this slice's is tpu_v5p")):
+    assert aot.main(['--config', DENSE_10B, *args]) == 2
+    line = _error_line(capsys)
+    assert line.startswith('error: ') and expected in line, line
+  # --schedule and --tune plan anew: the plan is not read, so not refused
+  monkeypatch.setattr(aot, 'compile_variants', lambda *a: 7)
+  assert aot.main(['--config', DENSE_10B, '--config.parallelism.plan=/no/such/plan.json',
+                   '--schedule', '{"unroll": 2}']) == 7
+
+
 def test_memory_total_is_arguments_outputs_temporaries_minus_aliased():
   stats = types.SimpleNamespace(argument_size_in_bytes=5, output_size_in_bytes=5,
                                 temp_size_in_bytes=20, alias_size_in_bytes=4,
