@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -42,6 +43,10 @@ ARCHIVE = 'ringtrain.tgz'  # in a fresh private directory per launch: see main()
 # the shells whose command lines merely contain 'trainer.train' (ours, the
 # launch's `bash -c ...`) are left alone.
 TRAINER_PATTERN = '^[^ ]*python[0-9.]* (-[^ ]+ )*-m trainer[.]train( |$)'
+# Cloud TPU VM names (lowercase letters, digits and hyphens, a letter first, 63 at most)
+# and zone names (us-central2-b, europe-west4-a).
+TPU_NAME = r'[a-z]([-a-z0-9]{0,61}[a-z0-9])?'
+ZONE_NAME = r'[a-z]+(-[a-z]+)*[0-9]+-[a-z]'
 EXCLUDES = ('.venv', 'runs', '.cache', '.git', '__pycache__')
 WORKER_NUMBER = ('$(curl -s -H "Metadata-Flavor: Google" http://metadata.google.internal/'
                  'computeMetadata/v1/instance/attributes/agent-worker-number)')
@@ -65,6 +70,12 @@ def parse_args(argv):
   args.command = args.command[1:] if args.command[:1] == ['--'] else args.command
   if not args.stop and not args.command:
     parser.error('no command given after -- (or pass --stop)')
+  for flag, value, form, what in (
+      ('--tpu', args.tpu, TPU_NAME, 'a TPU VM name (lowercase letters, digits and hyphens, '
+                                    'a letter first, 63 at most)'),
+      ('--zone', args.zone, ZONE_NAME, 'a zone name like us-central2-b')):
+    if not re.fullmatch(form, value):  # caught here, not by gcloud after the tree is packed
+      parser.error(f'{flag} {value!r} is not {what}')
   return args
 
 

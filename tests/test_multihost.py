@@ -216,5 +216,5 @@ def test_tpu_pod_dry_run_prints_worker_all_commands(capsys):
                      and '--project=proj' in l for l in ssh)
   assert any('trainer.train' in l and 'distributed.auto=True' in l for l in ssh)
   assert any('tpu-vm scp' in l for l in out.splitlines())
-  code = tpu_pod.main(['--tpu', 'my-v4', '--zone', 'z', '--dry_run', '--stop'])
+  code = tpu_pod.main(['--tpu', 'my-v4', '--zone', 'us-central2-b', '--dry_run', '--stop'])
   assert code == 0 and 'pkill' in capsys.readouterr().out

@@ -6,6 +6,8 @@ import sys
 import tempfile
 import time
 
+import pytest
+
 from launch import tpu_pod
 
 # Logs its arguments; `scp` keeps a copy of what it was given (and the mode of its
@@ -48,7 +50,7 @@ def test_archive_goes_to_a_private_directory_of_its_own(tmp_path, monkeypatch):
   tree.mkdir()
   (tree / 'hello.py').write_text('print(1)\n')
   monkeypatch.chdir(tree)
-  assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--', 'python', '-c', 'pass']) == 0
+  assert tpu_pod.main(['--tpu', 't', '--zone', 'us-central2-b', '--', 'python', '-c', 'pass']) == 0
   assert victim.read_text() == 'precious'
   scp = next(l for l in (standin / 'log').read_text().splitlines() if ' scp ' in l)
   archive = scp.split()[4]
@@ -81,7 +83,7 @@ def test_stop_signals_the_trainer_and_not_shells_that_mention_it(tmp_path, monke
     assert (tmp_path / 'fake' / 'started').exists(), 'the stand-in trainer never started'
     monkeypatch.setenv('TEST_SESSION', str(shell.pid))
     monkeypatch.setenv('RUN_SSH', '1')
-    assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--stop']) == 0
+    assert tpu_pod.main(['--tpu', 't', '--zone', 'us-central2-b', '--stop']) == 0
     out = shell.communicate(timeout=30)[0]
   finally:
     if shell.poll() is None:
@@ -92,8 +94,8 @@ def test_stop_signals_the_trainer_and_not_shells_that_mention_it(tmp_path, monke
 
 def test_the_venv_is_made_by_the_python_asked_for():
   """Ubuntu 22.04 TPU images have Python 3.10; setup.py asks for 3.11 or later."""
-  args = tpu_pod.parse_args(['--tpu', 't', '--zone', 'z', '--python', 'python3.11', '--',
-                             'python', '-m', 'trainer.train'])
+  args = tpu_pod.parse_args(['--tpu', 't', '--zone', 'us-central2-b', '--python', 'python3.11',
+                             '--', 'python', '-m', 'trainer.train'])
   setup = [a for c in tpu_pod.commands(args, '/private/ringtrain.tgz') for a in c
            if a.startswith('--command=') and '-m venv' in a]
   assert len(setup) == 1 and 'python3.11 -m venv .venv' in setup[0]
@@ -101,7 +103,8 @@ def test_the_venv_is_made_by_the_python_asked_for():
 
 def _run_on_the_worker(script):
   """tpu_pod --skip_setup running ``sh -c script`` through the stand-in's ssh."""
-  return tpu_pod.main(['--tpu', 't', '--zone', 'z', '--skip_setup', '--', 'sh', '-c', script])
+  return tpu_pod.main(['--tpu', 't', '--zone', 'us-central2-b', '--skip_setup', '--', 'sh', '-c',
+                       script])
 
 
 def test_a_command_failing_on_a_worker_fails_the_launch(tmp_path, monkeypatch, capfd):
@@ -127,9 +130,27 @@ def test_a_command_failing_on_a_worker_fails_the_launch(tmp_path, monkeypatch, c
 def test_without_gcloud_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
   monkeypatch.setenv('PATH', str(tmp_path))  # no gcloud there
   monkeypatch.chdir(tmp_path)
-  assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--', 'python', '-c', 'pass']) == 2
+  assert tpu_pod.main(['--tpu', 't', '--zone', 'us-central2-b', '--', 'python', '-c', 'pass']) == 2
   err = capsys.readouterr().err
   assert len(err.splitlines()) == 1 and err.startswith('error: gcloud not found'), err
   assert os.listdir(tmp_path) == []  # nothing packed
-  assert tpu_pod.main(['--tpu', 't', '--zone', 'z', '--stop']) == 2
+  assert tpu_pod.main(['--tpu', 't', '--zone', 'us-central2-b', '--stop']) == 2
   assert capsys.readouterr().err.startswith('error: gcloud not found')
+
+
+@pytest.mark.parametrize('flag,value,expected', [
+    ('--tpu', 'my v4', "--tpu 'my v4' is not a TPU VM name"),
+    ('--tpu', 'My-v4', "--tpu 'My-v4' is not a TPU VM name"),
+    ('--tpu', 'v4-', "--tpu 'v4-' is not a TPU VM name"),
+    ('--zone', 'us central2-b', "--zone 'us central2-b' is not a zone name like us-central2-b"),
+    ('--zone', 'us-central2', "--zone 'us-central2' is not a zone name"),
+])
+def test_a_bad_tpu_or_zone_name_is_refused_before_anything_runs(flag, value, expected, capsys,
+                                                                  monkeypatch):
+  monkeypatch.setattr(tpu_pod.subprocess, 'call', lambda *a: pytest.fail('ran'))
+  names = {'--tpu': 'my-v4', '--zone': 'us-central2-b', flag: value}
+  with pytest.raises(SystemExit) as stop:
+    tpu_pod.main([a for kv in names.items() for a in kv] + ['--', 'python', '-c', 'pass'])
+  assert stop.value.code == 2 and expected in capsys.readouterr().err.splitlines()[-1]
+  for zone in ('europe-west4-a', 'northamerica-northeast1-a', 'us-east5-b'):  # real ones pass
+    assert tpu_pod.parse_args(['--tpu', 'my-v4', '--zone', zone, '--stop']).zone == zone
