@@ -74,6 +74,7 @@ TENSOR_4 = ['--config.mesh.data=2', '--config.mesh.tensor=4']  # 8 devices, a ri
     ([f'--config.data.path={ROOT}/tests'], f"data.path='{ROOT}/tests' names a directory"),
     # values that ran with a silent surprise: unbounded prefetch, no clipping, NaN updates
     (['--config.data.prefetch=-1'], 'data.prefetch=-1 must be >= 0'),
+    (['--config.data.path=a,,b'], "data.path='a,,b' has an empty entry"),
     (['--config.optimizer.grad_clip=-1'], 'optimizer.grad_clip=-1.0 must be finite and >= 0'),
     (['--config.optimizer.b2=1.5'], 'optimizer.b2=1.5 is not in [0, 1)'),
     (['--config.optimizer.eps=0'], 'optimizer.eps=0.0 must be finite and > 0'),
