@@ -116,6 +116,9 @@ def test_a_plan_file_for_another_slice_is_refused_before_compiling(monkeypatch, 
   monkeypatch.setattr(aot, 'compile_variants', lambda *a: 7)
   assert aot.main(['--config', DENSE_10B, '--config.parallelism.plan=/no/such/plan.json',
                    '--schedule', '{"unroll": 2}']) == 7
+  # and a plan made for the slice passes (dense_64b runs its own)
+  assert aot.main(['--config', os.path.join(ROOT, 'configs', 'dense_64b.py'),
+                   '--variants', 'ours']) == 7
 
 
 def test_memory_total_is_arguments_outputs_temporaries_minus_aliased():
