@@ -33,6 +33,7 @@ import argparse
 import ctypes
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -273,6 +274,8 @@ def main(argv=None) -> int:
     if '://' in workdir:
       raise ValueError(f'--workdir {workdir}: launch.local keeps the logs in WORKDIR/logs, '
                        'which needs a local path')
+    if shutil.which(command[0]) is None:  # else every process would fail to start
+      raise ValueError(f'{command[0]}: no such program (not on PATH, or not executable)')
     cfg = load_config(command)
     if cfg is None and args.devices_per_process is None:
       raise ValueError('the command has no --config, so pass --devices_per_process')

@@ -191,6 +191,12 @@ def test_launch_local_reads_the_command_as_the_trainer_does(tmp_path, monkeypatc
     local.main(['--num_processes', '2', '--devices_per_process', '0', '--', 'true'])
   assert e.value.code == 2
   assert capsys.readouterr().err == 'error: --devices_per_process=0 must be at least 1\n'
+  missing = tmp_path / 'no_such_program'  # was a FileNotFoundError traceback, exit 1
+  assert local.main(['--num_processes', '2', '--devices_per_process', '1', '--', str(missing),
+                     '--workdir', str(tmp_path / 'missing')]) == 2
+  assert capsys.readouterr().err == (f'error: {missing}: no such program (not on PATH, or not '
+                                     'executable)\n')
+  assert len(started) == 1 and not (tmp_path / 'missing').exists()
   assert local.trainer_args(['python', '-m', 'trainer.train', '--config=a.py', '--workdir', 'w',
                              '--config.steps', '10', '--config.seed=1', '--config', 'b.py']) == (
                                  'b.py', 'w', ['--config.steps', '10', '--config.seed=1'])
