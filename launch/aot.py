@@ -227,8 +227,7 @@ def load(args, overrides) -> tuple:
     info = _check(cfg, chips)
   except (KeyError, ValueError) as e:
     raise ConfigError(str(e).strip('"')) from None
-  if (cfg.parallelism.plan and 'ours' in variants and not getattr(args, 'tune', False)
-      and not getattr(args, 'schedule', '')):  # --tune and --schedule plan anew
+  if cfg.parallelism.plan and 'ours' in variants and not plans_anew(args):
     _check_plan(cfg.parallelism.plan, _mesh_shape(cfg, chips), chip.name)
   return cfg, topology, chip, chips, variants, info
 
@@ -269,19 +268,24 @@ def _mesh_shape(cfg: Config, chips: int) -> dict[str, int]:
   return {a: d * i for a, (d, i) in mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips).items()}
 
 
+def plans_anew(args) -> bool:
+  """Whether ours is planned anew, the config's ``parallelism.plan`` not read: under
+  ``--tune`` and ``--schedule``."""
+  return bool(getattr(args, 'tune', False) or getattr(args, 'schedule', ''))
+
+
 def _check_plan(path: str, shape: dict, hardware_name: str) -> None:
   """Ours' plan file, read and matched to the slice's mesh and chip before anything
   compiles; ConfigError in one line. Its layers are matched where ours plans (its worker)."""
   try:
-    saved = plan_file.read(path)
+    wrong = plan_file.mismatch(plan_file.read(path), shape, hardware_name)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  for what, planned, here in (('mesh', saved['mesh'], shape),
-                              ('hardware', saved['hardware'], hardware_name)):
-    if planned != here:
-      raise ConfigError(f'parallelism.plan={path!r} does not fit this slice: the plan is for '
-                        f"{what} {planned}, this slice's is {here} "
-                        "(--config.parallelism.plan='' plans anew)")
+  if wrong:
+    what, planned, here = wrong
+    raise ConfigError(f'parallelism.plan={path!r} does not fit this slice: the plan is for '
+                      f"{what} {planned}, this slice's is {here} "
+                      "(--config.parallelism.plan='' plans anew)")
 
 
 def make_hlo_dir(path: str, *subdirs: str) -> None:
@@ -807,7 +811,7 @@ def main(argv=None) -> int:
     results = compile_variants(args, overrides + extra, cfg_l, topology, chip, only)
     return None if isinstance(results, int) else summarize(
         cfg_l, args.config, topology, chip, chips, info_l, results)
-  if (args.tune or args.schedule) and cfg.parallelism.plan:  # both plan; neither runs a plan
+  if plans_anew(args) and cfg.parallelism.plan:
     print(f"{'--tune' if args.tune else '--schedule'} plans anew: "
           f'parallelism.plan={cfg.parallelism.plan!r} is not read', file=sys.stderr)
     overrides = overrides + [search.PLAN_ANEW]

@@ -28,6 +28,17 @@ class PlanMismatch(ValueError):
   """A plan file that does not fit the model it is asked to run."""
 
 
+def mismatch(saved: dict, mesh_shape: Mapping[str, int], hardware: str) -> tuple | None:
+  """The first of a plan's (``read``) mesh and hardware that is not the run's, as (what,
+  the plan's, the run's); None where both match. The plan's layers are matched as the model
+  is traced (``sharding.plan_layers``)."""
+  for what, planned, here in (('mesh', saved['mesh'], dict(mesh_shape)),
+                              ('hardware', saved['hardware'], hardware)):
+    if planned != here:
+      return what, planned, here
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class SavedLayer:
   """One layer of a plan file: its decision, the specs and operand shapes it was made for."""

@@ -387,12 +387,10 @@ def plan_layers(forward: Callable[[Ops], Any], *, mesh: jax.sharding.Mesh, rules
     ``ShardedOps(mesh, rules, policy, plan)``: the model then runs exactly these
     decisions, and the parallelism report reads them.
   """
-  if saved is not None and saved['mesh'] != dict(mesh.shape):
-    raise plan_file.PlanMismatch(f"the plan is for mesh {saved['mesh']}, this run's is "
-                                 f'{dict(mesh.shape)}')
-  if saved is not None and saved['hardware'] != policy.hardware:  # it was chosen for that chip
-    raise plan_file.PlanMismatch(f"the plan is for hardware {saved['hardware']!r}, this "
-                                 f'run\'s is {policy.hardware!r}')
+  wrong = saved and plan_file.mismatch(saved, mesh.shape, policy.hardware)  # made for both
+  if wrong:
+    what, planned, here = wrong
+    raise plan_file.PlanMismatch(f"the plan is for {what} {planned!r}, this run's is {here!r}")
   planner = _Planner(mesh, rules, policy, plan={}, saved=saved)
   jax.eval_shape(lambda: forward(planner))
   missing = [n for n in (saved or {}).get('layers', {}) if n not in planner._plan]  # pylint: disable=protected-access

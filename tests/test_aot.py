@@ -75,11 +75,15 @@ def test_bad_input_is_one_line_and_exit_2(args, expected, capsys):
   assert line.startswith('error: ') and expected in line, line
 
 
+def _as_if_libtpu_were_installed(monkeypatch):
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(aot.importlib.util, 'find_spec',
+                      lambda name, *a: object() if name == 'libtpu' else find_spec(name, *a))
+
+
 def test_an_hlo_dir_that_cannot_be_made_is_refused_before_compiling(tmp_path, monkeypatch,
                                                                    capsys):
-  find_spec = importlib.util.find_spec
-  monkeypatch.setattr(aot.importlib.util, 'find_spec',  # as if libtpu were installed
-                      lambda name, *a: object() if name == 'libtpu' else find_spec(name, *a))
+  _as_if_libtpu_were_installed(monkeypatch)
   monkeypatch.setattr(aot, 'run_variant', lambda *a: pytest.fail('compiled'))
   (tmp_path / 'file').write_text('')
   (tmp_path / 'dir').mkdir()
@@ -95,9 +99,7 @@ def test_an_hlo_dir_that_cannot_be_made_is_refused_before_compiling(tmp_path, mo
 def test_a_plan_file_for_another_slice_is_refused_before_compiling(monkeypatch, capsys):
   """Ours' plan file is read and matched to the slice's mesh and chip before the baseline's
   compile, not minutes later in ours' worker."""
-  find_spec = importlib.util.find_spec
-  monkeypatch.setattr(aot.importlib.util, 'find_spec',  # as if libtpu were installed
-                      lambda name, *a: object() if name == 'libtpu' else find_spec(name, *a))
+  _as_if_libtpu_were_installed(monkeypatch)
   monkeypatch.setattr(aot, 'run_variant', lambda *a: pytest.fail('compiled'))
   plan_64b = os.path.join(ROOT, 'configs', 'plans', 'dense_64b.json')  # fsdp=64 x tensor=8, v4
   for args, expected in (

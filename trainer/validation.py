@@ -88,10 +88,11 @@ def _check_run(cfg: Config) -> None:
     raise ValueError(f'seed={cfg.seed} is not in [0, 2**32)')
   if cfg.data.prefetch < 0:  # a queue of negative size has no bound
     raise ValueError(f'data.prefetch={cfg.data.prefetch} must be >= 0 (0: no background thread)')
-  if ',' in cfg.data.path and not all(p.strip() for p in cfg.data.path.split(',')):
+  paths = cfg.data.path.split(',')
+  if len(paths) > 1 and not all(p.strip() for p in paths):
     raise ValueError(f'data.path={cfg.data.path!r} has an empty entry (a mixture names its '
                      'corpora separated by single commas)')
-  data.parse_weights(cfg.data.weights, len(cfg.data.path.split(',')))
+  data.parse_weights(cfg.data.weights, len(paths))
   if cfg.hardware.cpu_devices < 1:  # JAX would start with no CPU device
     raise ValueError(f'hardware.cpu_devices={cfg.hardware.cpu_devices} must be at least 1')
   prof = cfg.profile
