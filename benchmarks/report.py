@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 
+from configs import comparators
 from parallelism import pricing, step_model
 from trainer.hints import install_hint
 
@@ -141,9 +142,28 @@ def measure_aot(names: list[str], hlo_dir: str | None = None) -> dict:
     out[name]['measured'] = meta
     for v in out[name]['variants'].values():  # the pair lists: python -m launch.aot --json
       v.get('permute_pairs', {}).pop('pairs', None)
+    if name in comparators.LAYOUTS:
+      out[name]['comparators_at_best'] = measure_comparators(name, hlo_dir, env)
     progress(f'aot {i + 1}/{len(names)}: {name} done in '
              f'{time.perf_counter() - start:.0f} s')
   return out
+
+
+def measure_comparators(name: str, hlo_dir: str | None, env) -> dict:
+  """The baseline and xla at their own best layout (``configs/comparators.py``): what the
+  band's headline reads of them, per variant its modeled step, MFU, band and memory fit."""
+  argv = ['-m', 'launch.aot', '--config', f'configs/comparators.py:{name}', '--variants',
+          'baseline,xla', '--json']
+  if hlo_dir:
+    argv += ['--hlo_dir', os.path.join(os.path.abspath(hlo_dir), f'{name}_comparators')]
+  progress(f'{name}: the comparators at their best layout: python {" ".join(argv)}')
+  r = run_json(argv, env)
+  return {'layout': comparators.LAYOUTS[name], 'mesh': r['mesh'],
+          'tokens_per_step': r['tokens_per_step'],
+          'variants': {v: {'memory': {'fit': r['variants'][v]['memory']['fit']}}
+                       for v in r['variants']},
+          'modeled': {v: {k: m[k] for k in ('step_seconds', 'mfu', 'band')}
+                      for v, m in r['modeled'].items() if v in ('baseline', 'xla')}}
 
 
 # ---- rendering ----------------------------------------------------------------------
@@ -494,8 +514,10 @@ def results_summary(aot: dict) -> list[str]:
   return lines + [''] + render_band(aot) + _summary_targets(aot) + ['', SUMMARY_END]
 
 
-# Issue 64's targets, on the band: (name, ours / the faster comparator at the band's
-# minimum, at its median), ours' MFU at the median, and over the four paper configs.
+# Issue 64's targets, on the band: (name, ours / the faster comparator, each at its best
+# layout, at the band's minimum, at its median), ours' MFU at the median, and over the four
+# paper configs.
+FASTER = 'the faster comparator at its best layout'
 BAND_TARGETS = {'dense_500b': (1.10, 1.14, 0.72), 'median_three_of_four': 1.14,
                 'min_all': 1.0}
 
@@ -508,9 +530,13 @@ def render_band(aot: dict) -> list[str]:
     ours = s['modeled'].get('ours', {}).get('band')
     if not ours or 'speedup_vs_best' not in ours:
       continue
-    bands[name] = ours
-    rows.append([name] + [step_model.band_range(ours[k], '.3f') + 'x' if k in ours else '-'
-                          for k in ('speedup_vs_baseline', 'speedup_vs_xla', 'speedup_vs_best')]
+    # The comparators' own layouts are searched for the judged configs (v4) only.
+    bands[name] = dict(ours, speedup_vs_best_layouts=_vs_best_layouts(s)
+                       if name in PAPER_CONFIGS else None)
+    rows.append([name] + [step_model.band_range(bands[name][k], '.3f') + 'x'
+                          if bands[name].get(k) else '-'
+                          for k in ('speedup_vs_baseline', 'speedup_vs_xla', 'speedup_vs_best',
+                                    'speedup_vs_best_layouts')]
                 + [step_model.band_range(ours['mfu'], '.1%')])
   if not rows:
     return ['Bands: none in these results (compiled before `launch.aot` modeled each '
@@ -520,8 +546,48 @@ def render_band(aot: dict) -> list[str]:
            f'({step_model.band_settings()}: `step_model.band_chips`; each setting applied '
            'to both programs of a ratio), modeled:', '']
   lines += _table(['config', 'ours / baseline', 'ours / xla', 'ours / the faster of the two',
-                   'ours MFU'], rows)
-  return lines + [''] + _band_targets(bands) + ['']
+                   'ours / the faster, each at its best layout', 'ours MFU'], rows)
+  return (lines + [''] + _comparator_lines(aot) + _band_targets(bands) + [''])
+
+
+def _vs_best_layouts(s: dict) -> dict:
+  """Ours over the faster comparator per token, each comparator at the config's layout or at
+  its own best (``comparators_at_best``, where it fits the chip), taken under each setting of
+  the band for all programs at once; the config's ``speedup_vs_best`` where none is recorded."""
+  ours, best = s['modeled']['ours']['band'], s.get('comparators_at_best')
+  if not best:
+    return ours['speedup_vs_best']
+  per_token = [[t / s['tokens_per_step'] for t in s['modeled'][v]['band']['step_seconds']]
+               for v in ('baseline', 'xla') if 'band' in s['modeled'].get(v, {})]
+  for v, m in best['modeled'].items():
+    if m['band']['settings'] != ours['settings']:
+      raise ValueError(f'{v} at its best layout was modeled under other settings than ours')
+    if not _unfit(best, (v,)):
+      per_token.append([t / best['tokens_per_step'] for t in m['band']['step_seconds']])
+  return step_model.band_of(min(times) / (o / s['tokens_per_step'])
+                            for times, o in zip(zip(*per_token), ours['step_seconds']))
+
+
+def _comparator_lines(aot: dict) -> list[str]:
+  """Where the comparators do better at another layout than the config's (issue 64 item 6)."""
+  lines = []
+  for name, s in aot.items():
+    best = s.get('comparators_at_best')
+    if not best:
+      continue
+    shown = ', '.join(f"{'the ' if v == 'baseline' else ''}{v} {m['mfu']:.1%}"
+                      + (' (does not fit)' if _unfit(best, (v,)) else '')
+                      for v, m in best['modeled'].items())
+    lines.append(f"- {name}: the comparators at their own best layout, {best['mesh']}, "
+                 + ', '.join(f'`{k}={v}`' for k, v in best['layout'].items()
+                             if not k.startswith('mesh.'))
+                 + f' (`configs/comparators.py:{name}`): modeled MFU {shown}')
+  if not lines:
+    return []
+  return (['The last ratio column takes each comparator at the faster of the config\'s '
+           'layout and its own best (`configs/comparators.py`), per token; at the other v4 '
+           'configs the config\'s layout is theirs too; the v5p rows were not searched for '
+           'them:', ''] + lines + [''])
 
 
 def _band_targets(bands: dict) -> list[str]:
@@ -529,26 +595,26 @@ def _band_targets(bands: dict) -> list[str]:
   name = 'dense_500b'
   low, mid, mfu = BAND_TARGETS[name]
   if name in bands:
-    best, median_mfu = bands[name]['speedup_vs_best'], bands[name]['mfu']['median']
+    best, median_mfu = bands[name]['speedup_vs_best_layouts'], bands[name]['mfu']['median']
     ok = best['min'] >= low and best['median'] >= mid and median_mfu >= mfu
-    head = (f'- {name}: ours / the faster comparator >= {low}x at the minimum and >= {mid}x '
-            f'at the median, ours MFU >= {mfu:.0%} at the median: {met(ok)} '
+    head = (f'- {name}: ours / {FASTER} >= {low}x at the minimum and >= {mid}x at the '
+            f'median, ours MFU >= {mfu:.0%} at the median: {met(ok)} '
             f"({best['min']:.3f}x, {best['median']:.3f}x, {median_mfu:.1%})")
   else:
     head = f'- {name}: not measured'
   paper = [n for n in PAPER_CONFIGS if n in bands]
   three = BAND_TARGETS['median_three_of_four']
-  fast = [n for n in paper if bands[n]['speedup_vs_best']['median'] >= three]
+  fast = [n for n in paper if bands[n]['speedup_vs_best_layouts']['median'] >= three]
   floor = BAND_TARGETS['min_all']
   below = [n for n in PAPER_CONFIGS if n not in paper or
-           bands[n]['speedup_vs_best']['min'] < floor]
-  medians = ', '.join(f"{n} {bands[n]['speedup_vs_best']['median']:.3f}x" for n in paper)
-  minima = ', '.join(f"{n} {bands[n]['speedup_vs_best']['min']:.3f}x" for n in paper)
+           bands[n]['speedup_vs_best_layouts']['min'] < floor]
+  at = lambda n, k: f"{n} {bands[n]['speedup_vs_best_layouts'][k]:.3f}x"
+  medians = ', '.join(at(n, 'median') for n in paper)
+  minima = ', '.join(at(n, 'min') for n in paper)
   return ['Targets on the band (issue 64; the four configs on v4; modeled):', '', head,
-          f'- ours >= {three}x the faster comparator at the median on three of four: '
+          f'- ours >= {three}x {FASTER} at the median on three of four: '
           f'{met(len(fast) >= 3)} ({medians})',
-          f'- ours >= {floor}x the faster comparator at the minimum on all four: '
-          f'{met(not below)} ({minima})']
+          f'- ours >= {floor}x {FASTER} at the minimum on all four: {met(not below)} ({minima})']
 
 
 def _summary_targets(aot: dict) -> list[str]:

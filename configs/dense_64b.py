@@ -4,7 +4,7 @@ r"""A ~64B-parameter dense decoder (Llama-style) on 512 TPU v4 chips.
 8 key/value heads, SwiGLU 26112, untied embeddings; mesh fsdp=64 x tensor=8 on
 a v4:8x8x8 slice, global batch 512 x 2048 tokens: ours' best layout by the layout
 search (python -m launch.aot --config configs/dense_64b.py --search); the baseline
-and xla do better without a tensor axis (docs/results.md, their own best layouts).
+and xla do better without a tensor axis (configs/comparators.py, docs/results.md).
 Nothing here runs on a CPU; compile it for the slice ahead of time (the tpu
 extra) for memory fit and the modeled step of each variant:
 

@@ -82,7 +82,6 @@ import math
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -410,12 +409,6 @@ def band(module, chip: step_model.Chip, coords) -> list[dict]:
   return rows
 
 
-def band_of(values) -> dict:
-  """min / median / max of ``values`` (a modeled quantity over the model's settings)."""
-  values = sorted(values)
-  return {'min': values[0], 'median': statistics.median(values), 'max': values[-1]}
-
-
 def memory(stats, usable: float) -> dict:
   """Per-chip bytes; total = arguments + outputs + temporaries - aliased."""
   m = {'arguments': stats.argument_size_in_bytes, 'outputs': stats.output_size_in_bytes,
@@ -535,7 +528,7 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
         steps = [b['step_seconds'] for b in model['band']]
         out['modeled'][name]['band'] = {
             'settings': [b['setting'] for b in model['band']], 'step_seconds': steps,
-            'mfu': band_of(info['model_flops_per_step'] / (chips * peak * t) for t in steps)}
+            'mfu': step_model.band_of(info['model_flops_per_step'] / (chips * peak * t) for t in steps)}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
   for name, m in out['modeled'].items():
@@ -562,9 +555,9 @@ def ratio_bands(modeled: dict) -> None:
   ratios = {n: [t / o for t, o in zip(b['step_seconds'], ours['step_seconds'])]
             for n, b in others.items()}
   for name, values in ratios.items():
-    ours[f'speedup_vs_{name}'] = band_of(values)
+    ours[f'speedup_vs_{name}'] = step_model.band_of(values)
   if ratios:
-    ours['speedup_vs_best'] = band_of(map(min, zip(*ratios.values())))
+    ours['speedup_vs_best'] = step_model.band_of(map(min, zip(*ratios.values())))
 
 
 def band_lines(modeled: dict) -> list[str]:

@@ -105,6 +105,7 @@ import json
 import math
 import os
 import re
+import statistics
 from typing import Sequence
 
 import numpy as np
@@ -197,6 +198,12 @@ def band_settings() -> str:
 def band_range(b: dict, spec: str) -> str:
   """A band (``{'min', 'median', 'max'}``) as ``min / median / max``, each formatted ``spec``."""
   return ' / '.join(format(b[k], spec) for k in ('min', 'median', 'max'))
+
+
+def band_of(values) -> dict:
+  """min / median / max of ``values`` (a modeled quantity over the model's settings)."""
+  values = sorted(values)
+  return {'min': values[0], 'median': statistics.median(values), 'max': values[-1]}
 
 
 def band_chips(chip: Chip) -> list[tuple[dict, Chip]]:
