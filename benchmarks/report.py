@@ -13,7 +13,8 @@ Every number comes from a command run now, in a subprocess:
   v5p slices of as many chips at layouts searched there, ``configs/v5p.py``):
   per-chip memory against HBM, compile time, and the modeled step time, exposed
   communication and MFU of the baseline, XLA's own and our variant, next to the
-  paper's numbers.
+  paper's numbers; where the baseline and xla do better at another layout
+  (``configs/comparators.py``), that one too, and the headline takes the faster.
 
 Raw results go to docs/benchmarks/results.json, plots to docs/benchmarks/*.png.
 ``--only cpu`` (or ``aot``) re-measures one part and keeps the other from the
