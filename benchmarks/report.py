@@ -226,6 +226,7 @@ def render_cpu(cpu: dict, plots, meta: dict | None = None) -> list[str]:
                       f'({"met" if r["met"] else "not met"})',
                       f'{r["always"]["decomposed_layers"]}/{r["always"]["dense_layers"]}']
                      for r in ts['results']])
+    lines += _collectives_note(ts['results'])
     lines += ['', f'![train step]({plots["train_step"]})', '']
   moe = cpu.get('moe')
   if moe:
@@ -268,6 +269,22 @@ def render_cpu(cpu: dict, plots, meta: dict | None = None) -> list[str]:
 # Targets of the issue "Decomposition that wins at scale", read off the modeled numbers.
 TARGETS = {'ours_vs_baseline': 1.14, 'ours_vs_baseline_all': 1.0, 'ours_compute_within': 1.05,
            'mfu': ('dense_500b', 0.72)}  # the paper's measured MFU for its 500B model
+
+
+def _collectives_note(rows: list[dict]) -> list[str]:
+  """Why a decomposed step can be faster on a CPU, where nothing overlaps: each program's
+  collectives (``benchmarks.train_step`` records them from the compiled step)."""
+  if not all('collectives' in r[p] for r in rows for p in ('never', 'always')):
+    return []
+  shown = lambda c: ', '.join(f'{n} {op}' for op, n in c.items()) or 'none'
+  plain = [r['never']['collectives'] for r in rows]
+  lowered = all(c.get('all-reduce') and not c.get('reduce-scatter') for c in plain)
+  return ['', 'On a CPU no transfer hides behind compute; a ratio below 1 is not overlap. '
+          'The compiled steps\' collectives, `never` / `always`: '
+          + '; '.join(f"{r['config']} {shown(r['never']['collectives'])} / "
+                      f"{shown(r['always']['collectives'])}" for r in rows) + '.'
+          + (" The plain programs have no reduce-scatter: the CPU compiler lowers each to an "
+             'all-reduce, which moves and adds more than a ring does.' if lowered else '')]
 
 
 def _shown(x: float, target: float, digits: int = 3, percent: bool = False,

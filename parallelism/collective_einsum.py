@@ -53,7 +53,7 @@ def collective_einsum(equation: str, lhs: jax.Array, rhs: jax.Array, *, mesh,
     mode: ``none`` (plain einsum; the compiler inserts the collective),
       ``unidirectional``, ``bidirectional``, or ``auto`` (the cost model picks).
     hardware: a ``parallelism.hardware`` profile name for the cost model
-      (default: ``cpu``, where decomposition never pays).
+      (default: ``cpu``, where nothing overlaps and the cost model never picks a ring).
     ring_dtype: what partial sums travel and rest in (``RING_DTYPES``): the rings'
       accumulators (a reduce-scatter's on the wire, a contracting all-gather's between
       steps), and under ``none`` the dot's output, which the compiler's reduce-scatter

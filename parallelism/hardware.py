@@ -12,7 +12,7 @@ that chip, and the ``device_kind`` by which ``hardware.name='auto'`` recognizes 
 Link numbers: TPU ICI per link and direction (v4 and v5e 45 GB/s, v5p and
 v6e 90 GB/s), a ring on one torus axis using one link per direction; NVLink 4
 450 GB/s per direction per GPU. The CPU "links" are memory copies between
-fake devices: synchronous, so nothing overlaps and decomposition never pays.
+fake devices: synchronous, so nothing overlaps and the cost model never picks a ring.
 """
 
 from __future__ import annotations

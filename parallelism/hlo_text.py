@@ -198,6 +198,19 @@ def first_group(attrs: str, num_partitions: int) -> list[int]:
 GROUP_COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all')
 
 
+def collective_counts(module: Module) -> dict[str, int]:
+  """How many of each collective (``GROUP_COLLECTIVES`` and collective-permutes, sync or
+  async) the module's computations hold, by opcode."""
+  kinds = GROUP_COLLECTIVES + ('collective-permute',)
+  opcodes = (i.opcode.removesuffix('-start') for instrs in module.computations.values()
+             for i in instrs)
+  counts = {}
+  for op in opcodes:
+    if op in kinds:
+      counts[op] = counts.get(op, 0) + 1
+  return dict(sorted(counts.items()))
+
+
 def _mesh_coords(mesh, axis: str) -> tuple[dict[int, int], int]:
   """({device id: its position along ``axis``}, the axis size)."""
   which = list(mesh.axis_names).index(axis)

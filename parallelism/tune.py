@@ -14,9 +14,10 @@ proposes; the fastest measured form runs, and its measured times stay in the pla
 report's ``measured_ms``, plan.json). Every process times every candidate, and the
 slowest process's time of each decides, so all processes run one plan and compile one
 program. Only layers whose form is the planner's to choose are measured
-(``left_to_planner``): a form the config sets is kept. On CPU nothing overlaps and rings
-only cost time (docs/collective_einsum.md); the measurement there checks the machinery,
-not the technique.
+(``left_to_planner``): a form the config sets is kept. On CPU nothing overlaps: a ring
+measured faster there wins by the plain form's lowering or by noise, not by hiding a
+transfer (docs/collective_einsum.md); the measurement there checks the machinery, not the
+technique.
 """
 
 from __future__ import annotations

@@ -39,3 +39,11 @@ def test_collectives_over_an_axis_and_permute_offsets(devices):
   assert hlo_text.collectives_over(module, mesh, 'data') == ['ar']
   assert hlo_text.collectives_over(module, mesh, 'tensor', lambda n: 'attn' in n) == []
   assert hlo_text.permute_offsets(module, mesh, 'data') == [1]
+
+
+def test_collective_counts_by_kind_sync_or_async():
+  module = hlo_text.parse(HLO.replace(
+      '  ROOT %cp', '  %rs = f32[4]{0} reduce-scatter-start(%p), replica_groups=[4,2]<=[8], '
+      'dimensions={0}, to_apply=%add\n  ROOT %cp'))
+  assert hlo_text.collective_counts(module) == {
+      'all-gather': 1, 'all-reduce': 1, 'collective-permute': 1, 'reduce-scatter': 1}

@@ -328,6 +328,23 @@ def test_cpu_ratios_short_of_their_target_never_print_as_meeting_it():
   lines = report.render_cpu(cpu, {'train_step': 'x.png'})
   [row] = [l for l in lines if l.startswith('| default |')]
   assert '| 1.0504 | <= 1.05 (not met) |' in row
+  assert not any('no transfer hides' in l for l in lines)  # no collectives recorded
+
+
+def test_a_train_step_below_one_on_a_cpu_is_explained_by_its_collectives():
+  step = lambda s, c: {'median_step_seconds': s, 'decomposed_layers': 5, 'dense_layers': 5,
+                       'collectives': c}
+  row = {'config': 'default', 'never': step(1.0, {'all-gather': 30, 'all-reduce': 11}),
+         'always': step(0.8, {'all-reduce': 2, 'collective-permute': 46}), 'ratio': 0.8,
+         'target': None, 'met': None}
+  text = '\n'.join(report.render_cpu({'train_step': {'repeats': 3, 'results': [row]}},
+                                     {'train_step': 'x.png'}))
+  assert ('`never` / `always`: default 30 all-gather, 11 all-reduce / 2 all-reduce, '
+          '46 collective-permute. The plain programs have no reduce-scatter') in text
+  row['never']['collectives']['reduce-scatter'] = 4  # then no such claim
+  text = '\n'.join(report.render_cpu({'train_step': {'repeats': 3, 'results': [row]}},
+                                     {'train_step': 'x.png'}))
+  assert 'no transfer hides' in text and 'The plain programs have no' not in text
 
 
 def test_the_band_is_shown_and_judged_on_the_faster_comparator():
