@@ -32,4 +32,5 @@ def get_config(name: str = 'dense_64b') -> ml_collections.ConfigDict:
     raise ValueError(f'the argument is one of {sorted(LAYOUTS)}')  # the loader names it
   c = importlib.import_module(f'configs.{name}').get_config()
   c.update_from_flattened_dict(LAYOUTS[name])
+  c.parallelism.plan = ''  # the config's plan is ours' at its own layout; here ours plans anew
   return c
