@@ -6,7 +6,8 @@ On CPU, collective-permutes are synchronous memory copies: decomposition cannot
 hide anything there, so this measures its pure cost: ``overhead`` = median time
 of the decomposed einsum / median time of the plain one (``mode="none"``, where
 the compiler inserts the collective), for each mode, forward and
-forward+backward, measured in one run. Targets for the Transformer-shaped
+forward+backward, measured in one run, the modes taking turns
+(``prelude.time_alternating``). Targets for the Transformer-shaped
 cases: median overhead <= 1.05 forward and <= 1.10 forward+backward. Small
 shapes are reported without a target, to show where decomposition stops paying
 even before communication is counted.
@@ -18,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 from benchmarks import prelude
 
@@ -42,17 +42,6 @@ SMALL = [
 ]
 
 
-def _time(fn, args, repeats):
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def run_case(case, mesh, repeats):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -64,16 +53,20 @@ def run_case(case, mesh, repeats):
   rhs = jax.device_put(jax.random.normal(jax.random.key(1), rs), NamedSharding(mesh, P(*rsp)))
   ref = np.asarray(jnp.einsum(eq, lhs, rhs), np.float64)
   row = {'case': name, 'equation': eq, 'lhs': ls, 'rhs': rs, 'seconds': {}, 'max_rel_error': 0.0}
+  passes = {'forward': [], 'forward_backward': []}
   for mode in MODES:
     f = lambda x, w, mode=mode: collective_einsum(
         eq, x, w, mesh=mesh, lhs_spec=P(*lsp), rhs_spec=P(*rsp), out_spec=P(*osp), mode=mode)
     fwd = jax.jit(f)
-    fwd_bwd = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w)), argnums=(0, 1)))
+    passes['forward'].append(fwd)
+    passes['forward_backward'].append(
+        jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w)), argnums=(0, 1))))
     out = np.asarray(fwd(lhs, rhs), np.float64)
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     row['max_rel_error'] = max(row['max_rel_error'], err)
-    row['seconds'][mode] = {'forward': _time(fwd, (lhs, rhs), repeats),
-                            'forward_backward': _time(fwd_bwd, (lhs, rhs), repeats)}
+  for kind, fns in passes.items():  # the modes take turns: drift hits them alike
+    for mode, t in zip(MODES, prelude.time_alternating(fns, (lhs, rhs), repeats)):
+      row['seconds'].setdefault(mode, {})[kind] = t
   base = row['seconds']['none']
   row['overhead'] = {m: {k: row['seconds'][m][k] / base[k] for k in base}
                      for m in MODES if m != 'none'}

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 from benchmarks import prelude
 
@@ -63,27 +61,13 @@ def build(policy: str, chunks: int):
   return fwd, fwd_bwd, params, x, plan['moe.exchange'].decision
 
 
-def _time_pair(fns, args, repeats):
-  """Median seconds of each fn, alternating them so drift hits both alike."""
-  import jax  # pylint: disable=g-import-not-at-top
-  for fn in fns:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-  times = [[] for _ in fns]
-  for _ in range(repeats):
-    for i, fn in enumerate(fns):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))  # one sharded computation in flight at a time
-      times[i].append(time.perf_counter() - start)
-  return [statistics.median(t) for t in times]
-
-
 def run(chunks: int, repeats: int) -> dict:
   single = build('never', chunks)
   chunked = build('always', chunks)
   row = {'chunks': chunks, 'chunk_shape_e_b_c_d': list(chunked[4].chunk_shape),
          'single_shape_e_b_c_d': list(single[4].chunk_shape)}
   for name, index in (('forward', 0), ('forward_backward', 1)):
-    t_single, t_chunked = _time_pair([single[index], chunked[index]], single[2:4], repeats)
+    t_single, t_chunked = prelude.time_alternating([single[index], chunked[index]], single[2:4], repeats)
     row[name] = {'single_seconds': t_single, 'chunked_seconds': t_chunked,
                  'ratio': t_chunked / t_single}
   row['met'] = all(row[n]['ratio'] <= TARGET for n in ('forward', 'forward_backward'))

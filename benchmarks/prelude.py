@@ -1,4 +1,4 @@
-"""What the CPU benchmarks do first: check their arguments, then open the host's devices.
+"""What the CPU benchmarks share: check their arguments, open the host's devices, time.
 
 A benchmark checks every argument before JAX starts, so a bad one costs no start-up:
 
@@ -11,7 +11,9 @@ A benchmark checks every argument before JAX starts, so a bad one costs no start
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,3 +41,18 @@ def start_cpu(devices: int) -> None:
   sys.path.insert(0, ROOT)
   from trainer import runtime  # pylint: disable=g-import-not-at-top
   runtime.configure_host(devices, platform='cpu')
+
+
+def time_alternating(fns, args, repeats: int) -> list[float]:
+  """Median seconds of each of ``fns`` on ``args``, after one warm-up call each (which
+  compiles), taking turns ``repeats`` times so that the machine's drift hits all alike."""
+  import jax  # pylint: disable=g-import-not-at-top
+  for fn in fns:
+    jax.block_until_ready(fn(*args))
+  times = [[] for _ in fns]
+  for _ in range(repeats):
+    for i, fn in enumerate(fns):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))  # one sharded computation in flight at a time
+      times[i].append(time.perf_counter() - start)
+  return [statistics.median(t) for t in times]
