@@ -196,7 +196,8 @@ def render_cpu(cpu: dict, plots, meta: dict | None = None) -> list[str]:
   if ce:
     lines += ['### Collective einsum overhead', '',
               f'`python -m benchmarks.collective_einsum --json`: {ce["device_count"]} devices, '
-              f'median of {ce["repeats"]} runs, the three modes taking turns; overhead = decomposed / plain (`mode="none"`).', '']
+              f'median of {ce["repeats"]} runs, the three modes taking turns; overhead = '
+              'decomposed / plain (`mode="none"`).', '']
     rows = []
     for c in ce['cases']:
       o = c['overhead']
