@@ -605,8 +605,9 @@ def _comparator_lines(aot: dict) -> list[str]:
     return []
   return (['The last ratio column takes each comparator at the faster of the config\'s '
            'layout and its own best (`configs/comparators.py`), per token; at the other v4 '
-           'configs the config\'s layout is theirs too; the v5p rows were not searched for '
-           'them:', ''] + lines + [''])
+           'configs the config\'s layout is theirs too. The v5p rows are shown, not judged: '
+           'their layouts were searched with the baseline, not xla, at an earlier step model '
+           '(docs/paper_scale.md):', ''] + lines + [''])
 
 
 def _band_targets(bands: dict) -> list[str]:
