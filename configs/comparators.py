@@ -18,7 +18,7 @@ import ml_collections
 
 LAYOUTS = {
     # launch.aot --config configs/dense_64b.py --search --variants baseline,xla
-    # --max_compiles 3: without a tensor axis, twice the sequences, everything rematerialized.
+    # --max_compiles 6: without a tensor axis, twice the sequences, everything rematerialized.
     'dense_64b': {'mesh.data': 8, 'mesh.fsdp': 64, 'mesh.tensor': 1, 'batch_size': 1024,
                   'model.remat': 'full'},
     # No layout search (its grid has no expert axis); launch.aot --config configs/moe_1t.py
