@@ -192,78 +192,94 @@ def render_cpu(cpu: dict, plots, meta: dict | None = None) -> list[str]:
     lines += [f'{machine} 1-minute load average before and '
               'after each benchmark (other processes share the cores and slow the timings): '
               + ', '.join(f'{k} {a:.1f} -> {b:.1f}' for k, (a, b) in load.items()) + '.', '']
-  ce = cpu.get('collective_einsum')
-  if ce:
-    lines += ['### Collective einsum overhead', '',
-              f'`python -m benchmarks.collective_einsum --json`: {ce["device_count"]} devices, '
-              f'median of {ce["repeats"]} runs, the three modes taking turns; overhead = '
-              'decomposed / plain (`mode="none"`).', '']
-    rows = []
-    for c in ce['cases']:
-      o = c['overhead']
-      rows.append([c['case'].strip(), f'`{c["equation"]}`', f'{o["unidirectional"]["forward"]:.3f}',
-                   f'{o["unidirectional"]["forward_backward"]:.3f}',
-                   f'{o["bidirectional"]["forward"]:.3f}',
-                   f'{o["bidirectional"]["forward_backward"]:.3f}',
-                   f'{c["max_rel_error"]:.1e}', 'yes' if c['target'] else 'no'])
-    lines += _table(['case', 'einsum', 'uni fwd', 'uni fwd+bwd', 'bi fwd', 'bi fwd+bwd',
-                     'max rel. error', 'has target'], rows)
-    lines += ['', 'Median over the cases with a target (targets: forward <= 1.05, '
-              'forward+backward <= 1.10):', '']
-    lines += _table(['mode / pass', 'median overhead', 'target', 'met'],
-                    [[k, v['median_overhead'], v['target'], 'yes' if v['met'] else 'no']
-                     for k, v in ce['summary'].items()])
-    lines += ['', f'![overhead per einsum shape]({plots["collective_einsum"]})', '']
-  ts = cpu.get('train_step')
-  if ts:
-    lines += ['### Train step', '',
-              f'`python -m benchmarks.train_step --json`: median of {ts["repeats"]} steps after '
-              'a warm-up, `collective_matmul=always` vs `never`, in one process.', '']
-    lines += _table(['config', 'never (s)', 'always (s)', 'ratio', 'target', 'decomposed layers'],
-                    [[r['config'], f'{r["never"]["median_step_seconds"]:.3f}',
-                      f'{r["always"]["median_step_seconds"]:.3f}',
-                      _shown(r['ratio'], r['target'] or r['ratio'], above=True),
-                      '-' if r['target'] is None else f'<= {r["target"]} '
-                      f'({"met" if r["met"] else "not met"})',
-                      f'{r["always"]["decomposed_layers"]}/{r["always"]["dense_layers"]}']
-                     for r in ts['results']])
-    lines += _collectives_note(ts['results'])
-    lines += ['', f'![train step]({plots["train_step"]})', '']
-  moe = cpu.get('moe')
-  if moe:
-    lines += ['### MoE expert all-to-all', '',
-              f'`python -m benchmarks.moe --json`: one MoE layer on {moe["device_count"]} devices '
-              f'(data=2 x expert=4), {moe["tokens_per_device"]} tokens per device, '
-              f'd_model {moe["shape"]["d_model"]}, {moe["shape"]["experts"]} experts, top-'
-              f'{moe["shape"]["top_k"]}; the all-to-all in chunks (`always`) vs one '
-              f'(`never`), median of {moe["repeats"]} alternating runs; target ratio <= '
-              f'{moe["target"]}.', '']
-    lines += _table(['chunks', 'chunk [e,b,c,d]', 'fwd single (s)', 'fwd chunked (s)',
-                     'fwd ratio', 'fwd+bwd single (s)', 'fwd+bwd chunked (s)',
-                     'fwd+bwd ratio', 'met'],
-                    [[r['chunks'], r['chunk_shape_e_b_c_d'],
-                      f'{r["forward"]["single_seconds"]:.3f}',
-                      f'{r["forward"]["chunked_seconds"]:.3f}',
-                      _shown(r['forward']['ratio'], moe['target'], above=True),
-                      f'{r["forward_backward"]["single_seconds"]:.3f}',
-                      f'{r["forward_backward"]["chunked_seconds"]:.3f}',
-                      _shown(r['forward_backward']['ratio'], moe['target'], above=True),
-                      'yes' if r['met'] else 'no']
-                     for r in moe['results']])
-    lines += ['']
-  dr = cpu.get('default_run')
-  if dr:
-    command = ' '.join(['python'] + default_run_args('$(mktemp -d)', dr['steps']))
-    peak = dr.get('peak_flops_per_device')
-    peak = f', {peak / 1e9:.2f} GFLOP/s per device in this run' if peak else ''
-    lines += ['### Default config', '',
-              f'`{command}` (8 simulated CPU devices; MFU against the CPU peak{peak}, the '
-              'host\'s best fp32 matmul over the simulated devices, measured once per machine '
-              'and cached rather than at each start, `parallelism/host_cache.py`; the run '
-              'prints it, and MFUs compare only against the same peak): median of '
-              f'{dr["records"]} logged records after the first: '
-              f'**{dr["tokens_per_sec"]:,.0f} tokens/s**, **{dr["mfu"]:.1%} MFU**, '
-              f'{dr["step_time"]:.3f} s per step.', '']
+  sections = (('collective_einsum', _cpu_collective_einsum), ('train_step', _cpu_train_step),
+              ('moe', _cpu_moe), ('default_run', _cpu_default_run))
+  for key, section in sections:
+    if cpu.get(key):
+      lines += section(cpu[key], plots)
+  return lines
+
+
+def _cpu_collective_einsum(ce: dict, plots) -> list[str]:
+  """``benchmarks.collective_einsum``: each case's overheads, their medians."""
+  lines = ['### Collective einsum overhead', '',
+           f'`python -m benchmarks.collective_einsum --json`: {ce["device_count"]} devices, '
+           f'median of {ce["repeats"]} runs, the three modes taking turns; overhead = '
+           'decomposed / plain (`mode="none"`).', '']
+  rows = []
+  for c in ce['cases']:
+    o = c['overhead']
+    rows.append([c['case'].strip(), f'`{c["equation"]}`', f'{o["unidirectional"]["forward"]:.3f}',
+                 f'{o["unidirectional"]["forward_backward"]:.3f}',
+                 f'{o["bidirectional"]["forward"]:.3f}',
+                 f'{o["bidirectional"]["forward_backward"]:.3f}',
+                 f'{c["max_rel_error"]:.1e}', 'yes' if c['target'] else 'no'])
+  lines += _table(['case', 'einsum', 'uni fwd', 'uni fwd+bwd', 'bi fwd', 'bi fwd+bwd',
+                   'max rel. error', 'has target'], rows)
+  lines += ['', 'Median over the cases with a target (targets: forward <= 1.05, '
+            'forward+backward <= 1.10):', '']
+  lines += _table(['mode / pass', 'median overhead', 'target', 'met'],
+                  [[k, v['median_overhead'], v['target'], 'yes' if v['met'] else 'no']
+                   for k, v in ce['summary'].items()])
+  lines += ['', f'![overhead per einsum shape]({plots["collective_einsum"]})', '']
+  return lines
+
+
+def _cpu_train_step(ts: dict, plots) -> list[str]:
+  """``benchmarks.train_step``: each config's step, plain and decomposed."""
+  lines = ['### Train step', '',
+           f'`python -m benchmarks.train_step --json`: median of {ts["repeats"]} steps after '
+           'a warm-up, `collective_matmul=always` vs `never`, in one process.', '']
+  lines += _table(['config', 'never (s)', 'always (s)', 'ratio', 'target', 'decomposed layers'],
+                  [[r['config'], f'{r["never"]["median_step_seconds"]:.3f}',
+                    f'{r["always"]["median_step_seconds"]:.3f}',
+                    _shown(r['ratio'], r['target'] or r['ratio'], above=True),
+                    '-' if r['target'] is None else f'<= {r["target"]} '
+                    f'({"met" if r["met"] else "not met"})',
+                    f'{r["always"]["decomposed_layers"]}/{r["always"]["dense_layers"]}']
+                   for r in ts['results']])
+  lines += _collectives_note(ts['results'])
+  lines += ['', f'![train step]({plots["train_step"]})', '']
+  return lines
+
+
+def _cpu_moe(moe: dict, plots) -> list[str]:
+  """``benchmarks.moe``: the expert all-to-all, chunked and single."""
+  lines = ['### MoE expert all-to-all', '',
+           f'`python -m benchmarks.moe --json`: one MoE layer on {moe["device_count"]} devices '
+           f'(data=2 x expert=4), {moe["tokens_per_device"]} tokens per device, '
+           f'd_model {moe["shape"]["d_model"]}, {moe["shape"]["experts"]} experts, top-'
+           f'{moe["shape"]["top_k"]}; the all-to-all in chunks (`always`) vs one '
+           f'(`never`), median of {moe["repeats"]} alternating runs; target ratio <= '
+           f'{moe["target"]}.', '']
+  lines += _table(['chunks', 'chunk [e,b,c,d]', 'fwd single (s)', 'fwd chunked (s)',
+                   'fwd ratio', 'fwd+bwd single (s)', 'fwd+bwd chunked (s)',
+                   'fwd+bwd ratio', 'met'],
+                  [[r['chunks'], r['chunk_shape_e_b_c_d'],
+                    f'{r["forward"]["single_seconds"]:.3f}',
+                    f'{r["forward"]["chunked_seconds"]:.3f}',
+                    _shown(r['forward']['ratio'], moe['target'], above=True),
+                    f'{r["forward_backward"]["single_seconds"]:.3f}',
+                    f'{r["forward_backward"]["chunked_seconds"]:.3f}',
+                    _shown(r['forward_backward']['ratio'], moe['target'], above=True),
+                    'yes' if r['met'] else 'no']
+                   for r in moe['results']])
+  return lines + ['']
+
+
+def _cpu_default_run(dr: dict, plots) -> list[str]:
+  """The default config's short run: tokens/s and MFU."""
+  command = ' '.join(['python'] + default_run_args('$(mktemp -d)', dr['steps']))
+  peak = dr.get('peak_flops_per_device')
+  peak = f', {peak / 1e9:.2f} GFLOP/s per device in this run' if peak else ''
+  lines = ['### Default config', '',
+           f'`{command}` (8 simulated CPU devices; MFU against the CPU peak{peak}, the '
+           'host\'s best fp32 matmul over the simulated devices, measured once per machine '
+           'and cached rather than at each start, `parallelism/host_cache.py`; the run '
+           'prints it, and MFUs compare only against the same peak): median of '
+           f'{dr["records"]} logged records after the first: '
+           f'**{dr["tokens_per_sec"]:,.0f} tokens/s**, **{dr["mfu"]:.1%} MFU**, '
+           f'{dr["step_time"]:.3f} s per step.', '']
   return lines
 
 
