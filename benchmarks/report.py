@@ -830,6 +830,7 @@ def render_mfu_target(aot: dict) -> list[str]:
 
 
 def render_aot(aot: dict, plots) -> list[str]:
+  """The paper-scale part: how its programs are compiled and modeled, then each table."""
   lines = ['## Paper-scale configs on TPU v4 and v5p, compiled ahead of time', '',
            'Each config is compiled for its TPU slice on this CPU machine by the real TPU '
            'compiler (`python -m launch.aot --config configs/<name>.py --json`; the '
@@ -851,6 +852,12 @@ def render_aot(aot: dict, plots) -> list[str]:
            'docstring states the formulas), not a measurement on TPUs. Its calibration against '
            'measured MFU, with the error, is in [calibration.md](calibration.md): '
            + step_model.calibration_summary() + '.', '']
+  return (lines + _aot_memory(aot, plots) + _aot_steps(aot, plots) + render_terms(aot)
+          + _aot_schedules(aot) + _aot_collectives(aot))
+
+
+def _aot_memory(aot: dict, plots) -> list[str]:
+  """Ours' memory per chip against what the compiler gives one program."""
   rows = []
   for name, s in aot.items():
     m = s['variants'].get('ours') or next(iter(s['variants'].values()))
@@ -861,17 +868,21 @@ def render_aot(aot: dict, plots) -> list[str]:
                  _gib(mem['temporaries']) if 'total' in mem else '-',
                  _gib(mem['total']) if 'total' in mem else '-', _gib(mem['usable_bytes']),
                  f'**{mem["fit"]}**'])
-  lines += ['### Memory per chip (ours)', '',
-            'Total = arguments + outputs + temporaries - aliased (the state is donated, so '
-            'outputs alias arguments); usable = what the compiler gives one program.', '']
+  lines = ['### Memory per chip (ours)', '',
+           'Total = arguments + outputs + temporaries - aliased (the state is donated, so '
+           'outputs alias arguments); usable = what the compiler gives one program.', '']
   lines += _table(['config', 'params', 'slice (chips)', 'mesh', 'tokens/step', 'remat',
                    'arguments GiB',
                    'temporaries GiB', 'total GiB', 'usable GiB', 'fit'], rows)
-  lines += ['', f'![memory per chip]({plots["aot_memory"]})', '',
-            '### Modeled step time', '', f'Paper: {PAPER}.', '',
-            'Every variant\'s total memory per chip is shown with it; a variant that does not '
-            'fit the usable HBM is marked **DOES NOT FIT**: the compiler compiled it, and its '
-            'modeled time is that of a program too large for the chip.', '']
+  return lines + ['', f'![memory per chip]({plots["aot_memory"]})', '']
+
+
+def _aot_steps(aot: dict, plots) -> list[str]:
+  """Each variant's modeled step, its terms and its fit."""
+  lines = ['### Modeled step time', '', f'Paper: {PAPER}.', '',
+           'Every variant\'s total memory per chip is shown with it; a variant that does not '
+           'fit the usable HBM is marked **DOES NOT FIT**: the compiler compiled it, and its '
+           'modeled time is that of a program too large for the chip.', '']
   rows = []
   for name, s in aot.items():
     for v, m in s['modeled'].items():
@@ -888,9 +899,12 @@ def render_aot(aot: dict, plots) -> list[str]:
   lines += _table(['config', 'variant', 'GiB per chip (fit)', 'compile s', 'modeled step s',
                    'modeled compute s', 'modeled exposed comm s', 'modeled exposed copies s',
                    'modeled MFU', 'modeled speedup vs baseline'], rows)
-  lines += ['', f'![modeled speedup]({plots["aot_speedup"]})', '',
-            f'![modeled MFU]({plots["aot_mfu"]})', ''] + render_terms(aot) + [
-            '### What the schedules contain', '']
+  return lines + ['', f'![modeled speedup]({plots["aot_speedup"]})', '',
+                  f'![modeled MFU]({plots["aot_mfu"]})', '']
+
+
+def _aot_schedules(aot: dict) -> list[str]:
+  """Ours' decomposed layers and the permute pairs of its scheduled program."""
   rows = []
   for name, s in aot.items():
     ours = s['variants'].get('ours', {})
@@ -898,13 +912,19 @@ def render_aot(aot: dict, plots) -> list[str]:
     rows.append([name, f'{len(ours.get("decomposed_layers", []))}/{len(ours.get("layers", []))}',
                  pp.get('count', '-'), pp.get('from_collective_einsum', '-'),
                  pp.get('with_einsum_between', '-')])
-  lines += ['Ours: dense layers decomposed (parallelism report) and the asynchronous '
-            'collective-permute start/done pairs of the scheduled TPU program (static '
-            'instructions; loop bodies run many times per step).', '']
+  lines = ['### What the schedules contain', '',
+           'Ours: dense layers decomposed (parallelism report) and the asynchronous '
+           'collective-permute start/done pairs of the scheduled TPU program (static '
+           'instructions; loop bodies run many times per step).', '']
   lines += _table(['config', 'decomposed layers', 'permute pairs', 'from collective_einsum',
                    'with an einsum between start and done'], rows)
-  lines += ['', 'Modeled transfer time per step by collective (executions per step, seconds; '
-            '"(async)" overlaps compute between its start and done, the others block):', '']
+  return lines
+
+
+def _aot_collectives(aot: dict) -> list[str]:
+  """Each variant's modeled transfer time by collective."""
+  lines = ['', 'Modeled transfer time per step by collective (executions per step, seconds; '
+           '"(async)" overlaps compute between its start and done, the others block):', '']
   rows = []
   for name, s in aot.items():
     for v, m in s['modeled'].items():
