@@ -67,7 +67,8 @@ def run(chunks: int, repeats: int) -> dict:
   row = {'chunks': chunks, 'chunk_shape_e_b_c_d': list(chunked[4].chunk_shape),
          'single_shape_e_b_c_d': list(single[4].chunk_shape)}
   for name, index in (('forward', 0), ('forward_backward', 1)):
-    t_single, t_chunked = prelude.time_alternating([single[index], chunked[index]], single[2:4], repeats)
+    t_single, t_chunked = prelude.time_alternating([single[index], chunked[index]],
+                                                   single[2:4], repeats)
     row[name] = {'single_seconds': t_single, 'chunked_seconds': t_chunked,
                  'ratio': t_chunked / t_single}
   row['met'] = all(row[n]['ratio'] <= TARGET for n in ('forward', 'forward_backward'))
