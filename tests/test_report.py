@@ -404,6 +404,14 @@ def test_the_headline_takes_each_comparator_at_its_faster_layout_per_token():
           '`batch_size=200` (`configs/comparators.py:dense_64b`): modeled MFU the baseline '
           '50.0%, xla 90.0% (does not fit)') in text
   assert 'dense_64b 1.125x' in text and 'dense_64b 1.100x' in text
+  # the steps table shows them once their terms are recorded, per token against the baseline
+  best['variants']['baseline'].update(compile_seconds=30.0)
+  best['modeled']['baseline'].update(step_seconds=18.0, compute_seconds=17.0,
+                                     exposed_communication_seconds=1.0)
+  row = report._comparator_step_rows('dense_64b', results['dense_64b'])
+  base = modeled['baseline']['step_seconds'] / 100
+  assert row == [['dense_64b at their layout', 'baseline', '- (FITS)', '30', '18.000', '17.000',
+                  '1.000', '0.000', '50.0%', f'{base / (18.0 / 200):.3f}x']]
   best['modeled']['baseline']['band']['settings'] = settings[:2]
   with pytest.raises(ValueError, match='baseline at its best layout was modeled under other'):
     report.results_summary(results)
