@@ -705,7 +705,7 @@ def _summary_targets(aot: dict) -> list[str]:
                    'x, ' + verdict.removeprefix('not met: '))
   met = lambda ok: 'met' if ok else 'not met'
   return [f'Targets (issue "Decomposition that wins at scale"; the {len(PAPER_CONFIGS)} configs '
-          'on v4; modeled):', '',
+          'on v4, every program at the config\'s layout; modeled):', '',
           f'- ours >= {target}x the baseline on three of four: '
           f'{met(len(fast) >= 3)} ({len(fast)} of {len(PAPER_CONFIGS)}'
           + (f'; {slow}' if slow else '') + ')',
