@@ -78,6 +78,22 @@ def test_a_plan_file_fits_its_config_on_its_slice(name, monkeypatch):
     assert search.plan_key(r['plans'][0]) == search.plan_key(json.load(f))
 
 
+@pytest.mark.parametrize('name', ['dense_64b', 'moe_1t'])
+def test_the_comparators_layouts_lay_out_on_their_configs_slice(name):
+  """configs/comparators.py: the config at another layout that still covers its slice, with
+  no plan file (the config's is ours' at its own layout)."""
+  own = _load(name)
+  cfg = config_lib.load(os.path.join(ROOT, f'configs/comparators.py:{name}'))
+  assert cfg.aot.topology == own.aot.topology and cfg.parallelism.plan == ''
+  assert cfg.transformer() != own.transformer() or cfg.mesh != own.mesh or (
+      cfg.batch_size != own.batch_size)
+  _, chips = aot.parse_topology(cfg.aot.topology)
+  sizes = mesh_lib.mesh_sizes(cfg.mesh.sizes(), chips)
+  assert cfg.batch_size % (sizes['data'][1] * sizes['fsdp'][1]) == 0
+  with pytest.raises(config_lib.ConfigError, match='one of'):
+    config_lib.load(os.path.join(ROOT, 'configs/comparators.py:dense_10b'))
+
+
 def test_v5p_names_a_bad_argument_once():
   with pytest.raises(config_lib.ConfigError) as e:
     _load('v5p:dense_1t')
