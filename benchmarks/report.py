@@ -134,9 +134,7 @@ def measure_aot(names: list[str], hlo_dir: str | None = None) -> dict:
   env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
   out, meta = {}, _meta()  # the commit the run started from
   for i, name in enumerate(names):
-    argv = ['-m', 'launch.aot', '--config', config_arg(name), '--json']
-    if hlo_dir:
-      argv += ['--hlo_dir', os.path.join(os.path.abspath(hlo_dir), name.replace(':', '_'))]
+    argv = aot_argv(config_arg(name), hlo_dir, name.replace(':', '_'))
     progress(f'aot {i + 1}/{len(names)}: {name}: python {" ".join(argv)}')
     start = time.perf_counter()
     out[name] = run_json(argv, env)
@@ -150,13 +148,20 @@ def measure_aot(names: list[str], hlo_dir: str | None = None) -> dict:
   return out
 
 
+def aot_argv(config: str, hlo_dir: str | None, keep_as: str, *flags: str) -> list[str]:
+  """The arguments after ``python`` of ``launch.aot --config CONFIG FLAGS --json``; with
+  ``hlo_dir``, the compiled programs are kept in ``hlo_dir/keep_as``."""
+  argv = ['-m', 'launch.aot', '--config', config, *flags, '--json']
+  if hlo_dir:
+    argv += ['--hlo_dir', os.path.join(os.path.abspath(hlo_dir), keep_as)]
+  return argv
+
+
 def measure_comparators(name: str, hlo_dir: str | None, env) -> dict:
   """The baseline and xla at their own best layout (``configs/comparators.py``): what the
   band's headline reads of them, per variant its modeled step, MFU, band and memory fit."""
-  argv = ['-m', 'launch.aot', '--config', f'configs/comparators.py:{name}', '--variants',
-          'baseline,xla', '--json']
-  if hlo_dir:
-    argv += ['--hlo_dir', os.path.join(os.path.abspath(hlo_dir), f'{name}_comparators')]
+  argv = aot_argv(f'configs/comparators.py:{name}', hlo_dir, f'{name}_comparators',
+                  '--variants', 'baseline,xla')
   progress(f'{name}: the comparators at their best layout: python {" ".join(argv)}')
   r = run_json(argv, env)
   kept = ('baseline', 'xla')
@@ -893,12 +898,9 @@ def _aot_steps(aot: dict, plots) -> list[str]:
     for v, m in s['modeled'].items():
       variant = s['variants'][v]
       flags = variant.get('flag_set')
-      rows.append([name, v + (f" ({flags.strip('()')})" if v == 'xla' and flags else ''),
-                   _fit(variant.get('memory', {})), f'{variant["compile_seconds"]:.0f}',
-                   f'{m["step_seconds"]:.3f}', f'{m["compute_seconds"]:.3f}',
-                   f'{m["exposed_communication_seconds"]:.3f}',
-                   f'{m.get("exposed_dma_seconds", 0.0):.3f}', f'{m["mfu"]:.1%}',
-                   f'{m["speedup_vs_baseline"]:.3f}x'])
+      rows.append(_step_row(name, v + (f" ({flags.strip('()')})" if v == 'xla' and flags
+                                       else ''), variant, m,
+                            f'{m["speedup_vs_baseline"]:.3f}x'))
     rows += _comparator_step_rows(name, s)
   lines += ['The modeled step is its compute, exposed communication and exposed copies '
             '(waits on local asynchronous copies, the step model\'s exposed DMA); a config\'s '
@@ -911,6 +913,14 @@ def _aot_steps(aot: dict, plots) -> list[str]:
                   f'![modeled MFU]({plots["aot_mfu"]})', '']
 
 
+def _step_row(config: str, label: str, variant: dict, m: dict, speedup: str) -> list[str]:
+  """One row of the steps table: a compiled program (``variant``) and its modeled terms."""
+  return [config, label, _fit(variant.get('memory', {})), f'{variant["compile_seconds"]:.0f}',
+          f'{m["step_seconds"]:.3f}', f'{m["compute_seconds"]:.3f}',
+          f'{m["exposed_communication_seconds"]:.3f}',
+          f'{m.get("exposed_dma_seconds", 0.0):.3f}', f'{m["mfu"]:.1%}', speedup]
+
+
 def _comparator_step_rows(name: str, s: dict) -> list[list[str]]:
   """The steps table's rows for a config's comparators at their own best layout."""
   best = s.get('comparators_at_best') or {}
@@ -919,13 +929,9 @@ def _comparator_step_rows(name: str, s: dict) -> list[list[str]]:
   for v, m in best.get('modeled', {}).items():
     if 'compute_seconds' not in m:  # recorded before the report kept these
       continue
-    variant = best['variants'][v]
     per_token = m['step_seconds'] / best['tokens_per_step']
-    rows.append([f'{name} at their layout', v, _fit(variant['memory']),
-                 f'{variant["compile_seconds"]:.0f}', f'{m["step_seconds"]:.3f}',
-                 f'{m["compute_seconds"]:.3f}', f'{m["exposed_communication_seconds"]:.3f}',
-                 f'{m.get("exposed_dma_seconds", 0.0):.3f}', f'{m["mfu"]:.1%}',
-                 f'{base / s["tokens_per_step"] / per_token:.3f}x' if base else '-'])
+    rows.append(_step_row(f'{name} at their layout', v, best['variants'][v], m,
+                          f'{base / s["tokens_per_step"] / per_token:.3f}x' if base else '-'))
   return rows
 
 

@@ -528,7 +528,8 @@ def summarize(cfg, config_path: str, topology: str, chip: hardware.HardwareProfi
         steps = [b['step_seconds'] for b in model['band']]
         out['modeled'][name]['band'] = {
             'settings': [b['setting'] for b in model['band']], 'step_seconds': steps,
-            'mfu': step_model.band_of(info['model_flops_per_step'] / (chips * peak * t) for t in steps)}
+            'mfu': step_model.band_of(info['model_flops_per_step'] / (chips * peak * t)
+                                      for t in steps)}
     out['variants'][name] = v
   base = out['modeled'].get('baseline')
   for name, m in out['modeled'].items():

@@ -9,6 +9,7 @@ matmuls come from the Mosaic module its backend config carries (``kernel_grid``)
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import functools
 import math
@@ -202,13 +203,9 @@ def collective_counts(module: Module) -> dict[str, int]:
   """How many of each collective (``GROUP_COLLECTIVES`` and collective-permutes, sync or
   async) the module's computations hold, by opcode."""
   kinds = GROUP_COLLECTIVES + ('collective-permute',)
-  opcodes = (i.opcode.removesuffix('-start') for instrs in module.computations.values()
-             for i in instrs)
-  counts = {}
-  for op in opcodes:
-    if op in kinds:
-      counts[op] = counts.get(op, 0) + 1
-  return dict(sorted(counts.items()))
+  counts = collections.Counter(i.opcode.removesuffix('-start')
+                               for instrs in module.computations.values() for i in instrs)
+  return {op: n for op, n in sorted(counts.items()) if op in kinds}
 
 
 def _mesh_coords(mesh, axis: str) -> tuple[dict[int, int], int]:
