@@ -82,11 +82,34 @@ def test_a_short_held_out_split_is_topped_up_to_eval_tokens(tmp_path, monkeypatc
   assert set(held_docs) == set(by_hash[:len(held_docs)])  # the first ones by hash
   assert set(held_docs) > {d for d in docs if prepare.held_out(d.encode(), 0.02)}
   total, kept = sum(tokens.values()), sum(tokens[d] for d in held_docs)
-  enough = min(want, total // 2)
-  assert kept == held.num_tokens >= enough > kept - tokens[by_hash[len(held_docs) - 1]]
+  half, last, after = total // 2, by_hash[len(held_docs) - 1], by_hash[len(held_docs)]
+  assert kept == held.num_tokens <= half
+  if kept >= min(want, half):  # the first documents to reach --eval_tokens, or half
+    assert kept - tokens[last] < min(want, half)
+  else:  # the next would pass half the corpus
+    assert kept + tokens[after] > half
   assert manifest['source']['eval_tokens'] == want
   assert _doc_tokens(train_split) == [d for d in docs if d not in set(held_docs)]  # in order
 
+
+
+def test_a_few_long_documents_hold_out_at_most_half_the_tokens(tmp_path):
+  """Topped up to --eval_tokens from a few long documents, the held-out split stops before
+  the document that would take it past half the corpus; the first by hash alone larger than
+  half is held out whole, one document left to train on."""
+  (tmp_path / 'in').mkdir()
+  docs = [f'doc {i} ' + 'x' * size for i, size in enumerate((900, 3000, 700, 1200, 400))]
+  for i, text in enumerate(docs):
+    (tmp_path / 'in' / f't{i}.txt').write_text(text)
+  assert _run('--input', tmp_path / 'in/*.txt', '--output', tmp_path / 'out',
+              '--eval_fraction', '1e-9', '--eval_tokens', 10**6) == 0
+  _, held = data.open_prepared(str(tmp_path / 'out'), 'eval')
+  total = sum(len(d) + 1 for d in docs)
+  by_hash = sorted(docs, key=lambda d: prepare.doc_hash(d.encode()))
+  held_docs = _doc_tokens(held)
+  assert set(held_docs) == set(by_hash[:len(held_docs)]) and held_docs
+  assert held.num_tokens <= total // 2 or len(held_docs) == 1
+  assert held.num_tokens + len(by_hash[len(held_docs)]) + 1 > total // 2
 
 def test_rerun_is_a_no_op_and_an_interrupted_run_looks_unfinished(tmp_path, monkeypatch, capsys):
   _inputs(tmp_path / 'in')

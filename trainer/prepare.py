@@ -16,7 +16,8 @@ its text falls below ``--eval_fraction``: the split does not depend on the
 order of the inputs or the number of workers, and duplicates land together.
 Should those documents hold fewer than ``--eval_tokens`` tokens (a small corpus,
 or one of few long documents), the limit rises to the next documents by hash
-until they do (at most half the corpus's tokens; one document always trains):
+until they do (at most half the corpus's tokens, unless the first document
+alone holds more; one document always trains):
 the pieces of work with such documents are tokenized again.
 
 Only regular files are read (a FIFO, a device or a socket is refused before it
@@ -290,7 +291,8 @@ def fraction_limit(fraction: float) -> int:
 
 def hold_out_limit(work_dir: str, count: int, fraction: float, tokens: int) -> int:
   """The hash limit of the held-out documents: ``fraction``'s, raised (documents by hash)
-  until they hold ``tokens`` tokens or half the corpus's; one document stays in training."""
+  until they hold ``tokens`` tokens, but not past half the corpus's (unless its first
+  document by hash alone holds more); one document stays in training."""
   base = fraction_limit(fraction)
   if not (fraction and tokens):
     return base
@@ -303,7 +305,11 @@ def hold_out_limit(work_dir: str, count: int, fraction: float, tokens: int) -> i
   hashes, lengths = np.concatenate(hashes), np.concatenate(lengths)
   order = np.argsort(hashes, kind='stable')
   hashes, total = hashes[order], np.cumsum(lengths[order])
-  first = min(int(np.searchsorted(total, min(tokens, total[-1] // 2))), len(hashes) - 2)
+  half = total[-1] // 2
+  first = int(np.searchsorted(total, min(tokens, half)))  # the first to reach them
+  if first > 0 and total[first] > half:  # past half the corpus: the one before it
+    first -= 1
+  first = min(first, len(hashes) - 2)
   return base if first < 0 else max(base, int(hashes[first]) + 1)
 
 
